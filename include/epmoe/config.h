@@ -1,0 +1,59 @@
+// epmoe: the layer configuration and its validation.
+#pragma once
+
+#include <cstdint>
+
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+/// Numeric mode of the layer (see SPEC.md).
+enum class DType {
+  kFP8,   ///< e4m3 activations with 1x128 scales, e4m3 weights with 128x128 scales.
+  kBF16,  ///< bf16 activations and weights.
+};
+
+/// Which implementation a forward call runs. Both compute the same function.
+enum class Path {
+  kPipeline,  ///< dispatch -> L1 + SwiGLU -> L2 -> combine, a chain of kernels.
+  kFused,     ///< the persistent megakernel.
+};
+
+/// Shapes and options of one MoE layer, identical on every rank.
+struct LayerConfig {
+  int num_ranks = 0;            ///< R, one GPU each. 1..8 on one NVLink node.
+  int num_experts = 0;          ///< E in total; E % R == 0, rank r owns [r*E/R, (r+1)*E/R).
+  int hidden = 0;               ///< H, a positive multiple of 128.
+  int intermediate = 0;         ///< I of one expert, a positive multiple of 128.
+  int topk = 0;                 ///< K, 1 <= K <= E.
+  int max_tokens_per_rank = 0;  ///< T_max, >= 1; every call has 0 <= T_r <= T_max.
+  DType dtype = DType::kFP8;
+  float activation_clamp = 0.f;  ///< c; <= 0 disables the clamp. Must be finite.
+  bool pow2_scales = false;      ///< Round FP8 activation scales up to a power of two.
+
+  int experts_per_rank() const { return num_ranks > 0 ? num_experts / num_ranks : 0; }
+};
+
+/// Upper limits that validation enforces (the kernels' index arithmetic and buffers rely on them).
+struct Limits {
+  static constexpr int kMaxRanks = 8;
+  static constexpr int kMaxExpertsPerRank = 1024;
+  static constexpr int kMaxTopK = 32;
+  static constexpr int kMaxHidden = 32768;
+  static constexpr int kMaxIntermediate = 32768;
+  static constexpr int kMaxTokensPerRank = 1 << 20;
+};
+
+/// Checks every field of `cfg`. The message names the field, its value and the allowed range.
+Status validate(const LayerConfig& cfg);
+
+/// Checks the per-call arguments that the host knows without reading device memory:
+/// the token count against T_max, and that the pointers needed for `num_tokens` are set.
+Status validate_call(const LayerConfig& cfg, int64_t num_tokens, const void* x,
+                     const void* topk_idx, const void* topk_weights, const void* y);
+
+/// Checks a routing table held in host memory: every index in [-1, E). Costs a pass over
+/// T*K integers; the forward path itself never reads device data on the host.
+Status validate_routing_host(const LayerConfig& cfg, int64_t num_tokens, const int32_t* topk_idx);
+
+}  // namespace epmoe

@@ -1,0 +1,59 @@
+// epmoe: the MoE layer.
+//
+// A layer is created once per rank from a Communicator and a LayerConfig, loads its local
+// experts' weights once (a one-time transform into the kernels' layout, see docs/LAYOUTS.md),
+// then runs forward() any number of times on the same buffers. forward() never waits on the
+// host for device data, so it can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "epmoe/config.h"
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+class Communicator;
+
+/// Local experts' weights as the user holds them (SPEC.md layout), in host or device memory.
+/// FP8: w1 e4m3 [E_loc][2I][H] with scales fp32 [E_loc][2I/128][H/128]; w2 e4m3 [E_loc][H][I]
+/// with scales fp32 [E_loc][H/128][I/128]. BF16: w1 bf16 [E_loc][2I][H], w2 bf16 [E_loc][H][I],
+/// scales null. Rows 0..I-1 of each W1 are the gate projection, rows I..2I-1 the up projection.
+struct ExpertWeights {
+  const void* w1 = nullptr;
+  const float* w1_scale = nullptr;
+  const void* w2 = nullptr;
+  const float* w2_scale = nullptr;
+  bool on_device = false;
+};
+
+class MoELayer {
+ public:
+  /// Validates `cfg` (see validate()) against the communicator's rank count and allocates every
+  /// buffer a forward call needs, sized from cfg.max_tokens_per_rank. Collective: every rank
+  /// calls it with the same cfg.
+  static Status create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out);
+
+  virtual ~MoELayer() = default;
+
+  /// Copies and transforms this rank's local experts into the kernels' layout.
+  virtual Status load_weights(const ExpertWeights& weights, cudaStream_t stream) = 0;
+
+  /// y[T][H] bf16 = the MoE layer of SPEC.md on x[T][H] bf16, topk_idx[T][K] int32,
+  /// topk_weights[T][K] fp32, all device pointers. Collective: every rank calls it (T may be 0).
+  /// Host-side checks run before any launch; an out-of-range expert index found on the device
+  /// is reported by the next check_device_error().
+  virtual Status forward(const void* x, const int32_t* topk_idx, const float* topk_weights,
+                         void* y, int64_t num_tokens, cudaStream_t stream, Path path) = 0;
+
+  /// Synchronizes `stream` and reports an error the device recorded since the last check
+  /// (a bad expert index, a peer that never arrived). Not for the forward path.
+  virtual Status check_device_error(cudaStream_t stream) = 0;
+
+  virtual const LayerConfig& config() const = 0;
+};
+
+}  // namespace epmoe
