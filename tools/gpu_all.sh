@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
+# limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
+# Usage: bash tools/gpu_all.sh [quick|full]   (quick skips the long benchmarks)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-full}
+bin=${EPMOE_BIN:-.gpu/bin}
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+# Never NVLink multicast: it can take the host's shared GPUs down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The system libnccl on these machines is 2.28.3 (ABI-incompatible); the 2.28.9 one is in torch's venv.
+good_nccl=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
+[ -d "$good_nccl" ] && export LD_LIBRARY_PATH=$good_nccl:${LD_LIBRARY_PATH:-}
+summary=()
+step() {  # step NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  [ -x "${1}" ] || { summary+=("$name: SKIPPED (no ${1})"); return; }
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: $([ $rc = 0 ] && echo ok || echo "FAILED rc=$rc") ($((SECONDS - t0)) s)")
+  tail -n 25 "$out/$name.log"
+}
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$out/nvidia-smi.log" 2>&1
+step gpu_check 120 "$bin/epmoe-gpu-check"
+step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
+step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
+step mgpu_tests 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1
+if [ "$mode" = full ]; then
+  step bench_gemm 240 "$bin/epmoe-bench" gemm
+  step bench_comm 180 "$bin/epmoe-bench" comm
+  step bench_layer 240 "$bin/epmoe-bench" layer --path fused,pipeline
+fi
+echo "==== summary ($mode) ===="
+printf '%s\n' "${summary[@]}" | tee "$out/summary.log"
