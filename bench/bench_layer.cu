@@ -1,0 +1,395 @@
+// epmoe-bench layer: the whole MoE layer per rank, one process per GPU, for each requested path
+// (pipeline, fused) in the same run. Prints median / p10 / p90 time, TFLOP/s, NVLink bytes and
+// the ratio to the roofline floor and between the paths.
+#include <cuda_fp8.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_registry.h"
+#include "bench_util.h"
+#include "epmoe/comm.h"
+#include "epmoe/launcher.h"
+#include "epmoe/layer.h"
+#include "host/layer_impl.h"
+#include "reference/data.h"
+
+namespace epmoe::bench {
+namespace {
+
+// ---- Device-side random data (no host round trip for gigabytes of weights) ---------------------
+__device__ __forceinline__ float hash_uniform(uint64_t seed, uint64_t i) {  // [-1, 1)
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return float(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+__global__ void fill_fp8(uint8_t* q, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    q[i] = __nv_cvt_float_to_fp8(448.f * hash_uniform(seed, i), __NV_SATFINITE, __NV_E4M3);
+}
+__global__ void fill_bf16(__nv_bfloat16* w, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    w[i] = __float2bfloat16(scale * hash_uniform(seed, i));
+}
+__global__ void fill_f32(float* s, int64_t n, uint64_t seed, float base) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    s[i] = base * (1.0f + 0.5f * hash_uniform(seed, i));
+}
+
+#define BENCH_OK(expr)                \
+  do {                                \
+    ::epmoe::Status _st = (expr);     \
+    if (!_st.ok()) return _st;        \
+  } while (0)
+#define BENCH_CUDA(call)                                                                          \
+  do {                                                                                            \
+    cudaError_t _e = (call);                                                                      \
+    if (_e != cudaSuccess)                                                                        \
+      return Status(StatusCode::kCudaError, std::string(#call) + ": " + cudaGetErrorString(_e));   \
+  } while (0)
+
+struct ShapeArgs {
+  std::string name;
+  int experts_per_rank, hidden, inter, topk;
+};
+
+bool shape_by_name(const std::string& n, ShapeArgs* s) {
+  if (n == "dsv3") *s = {n, 32, 7168, 2048, 8};
+  else if (n == "qwen3") *s = {n, 64, 2048, 768, 8};
+  else if (n == "top2") *s = {n, 16, 2048, 2048, 2};
+  else return false;
+  return true;
+}
+
+bool routing_by_name(const std::string& n, ref::Routing* r) {
+  for (ref::Routing k : ref::kAllRoutings)
+    if (n == ref::routing_name(k)) { *r = k; return true; }
+  return false;
+}
+
+struct Options {
+  ShapeArgs shape;
+  DType dtype = DType::kFP8;
+  ref::Routing routing = ref::Routing::kUniform;
+  std::vector<int> tokens;
+  std::vector<std::string> paths;
+  int iters = 50, warmup = 10, sets = 4;
+  bool graph = true, json = false;
+  double peak_tflops = 0, hbm_gbs = 4200;
+};
+
+// What one rank receives and sends for one routing draw (host-side count, exact).
+struct Traffic {
+  int64_t rows = 0;            // (token, local expert) pairs this rank computes
+  int64_t active_experts = 0;  // local experts with >= 1 row
+  int64_t tokens_in = 0;       // (token from another rank) arrivals: dispatch payload rows
+  int64_t partials_out = 0;    // rows this rank returns to other ranks in combine
+};
+
+Traffic count_traffic(const ref::Problem& p, const std::vector<ref::Routed>& all, const std::vector<int>& T, int me) {
+  Traffic tr;
+  std::vector<char> active(p.E_loc(), 0);
+  for (int src = 0; src < p.R; ++src) {
+    for (int t = 0; t < T[src]; ++t) {
+      bool here = false;
+      for (int k = 0; k < p.K; ++k) {
+        const int e = all[src].topk_idx[int64_t(t) * p.K + k];
+        if (e < 0 || e / p.E_loc() != me) continue;
+        ++tr.rows;
+        active[e % p.E_loc()] = 1;
+        here = true;
+      }
+      if (here && src != me) { ++tr.tokens_in; ++tr.partials_out; }
+    }
+  }
+  for (char a : active) tr.active_experts += a;
+  return tr;
+}
+
+Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
+  const int R = ctx.size, me = ctx.rank;
+  std::unique_ptr<Communicator> comm;
+  BENCH_OK(Communicator::create(ctx.id, me, R, &comm));
+  int t_max = 1;
+  for (int t : o.tokens) t_max = std::max(t_max, t);
+
+  LayerConfig cfg;
+  cfg.num_ranks = R;
+  cfg.num_experts = o.shape.experts_per_rank * R;
+  cfg.hidden = o.shape.hidden;
+  cfg.intermediate = o.shape.inter;
+  cfg.topk = o.shape.topk;
+  cfg.max_tokens_per_rank = t_max;
+  cfg.dtype = o.dtype;
+  std::unique_ptr<MoELayer> layer;
+  BENCH_OK(MoELayer::create(*comm, cfg, &layer));
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // Weights, generated on the device.
+  const int G = o.shape.experts_per_rank, H = cfg.hidden, I = cfg.intermediate;
+  const bool fp8 = o.dtype == DType::kFP8;
+  const int64_t n1 = int64_t(G) * 2 * I * H, n2 = int64_t(G) * H * I;
+  const int64_t s1 = int64_t(G) * (2 * I / 128) * (H / 128), s2 = int64_t(G) * (H / 128) * (I / 128);
+  void *w1 = nullptr, *w2 = nullptr;
+  float *ws1 = nullptr, *ws2 = nullptr;
+  BENCH_CUDA(cudaMalloc(&w1, n1 * (fp8 ? 1 : 2)));
+  BENCH_CUDA(cudaMalloc(&w2, n2 * (fp8 ? 1 : 2)));
+  const uint64_t seed = 1234567 + 7919 * me;
+  if (fp8) {
+    BENCH_CUDA(cudaMalloc(&ws1, s1 * 4));
+    BENCH_CUDA(cudaMalloc(&ws2, s2 * 4));
+    fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w1), n1, seed);
+    fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w2), n2, seed + 1);
+    fill_f32<<<256, 256, 0, stream>>>(ws1, s1, seed + 2, std::sqrt(3.0f / H) / 448.f);
+    fill_f32<<<256, 256, 0, stream>>>(ws2, s2, seed + 3, std::sqrt(3.0f / I) / 448.f);
+  } else {
+    fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w1), n1, seed, std::sqrt(3.0f / H));
+    fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w2), n2, seed + 1, std::sqrt(3.0f / I));
+  }
+  BENCH_CUDA(cudaGetLastError());
+  ExpertWeights ew{w1, ws1, w2, ws2, true};
+  BENCH_OK(layer->load_weights(ew, stream));
+  cudaFree(w1);
+  cudaFree(w2);
+  if (ws1) cudaFree(ws1);
+  if (ws2) cudaFree(ws2);
+
+  ref::Problem p;
+  p.R = R; p.E = cfg.num_experts; p.H = H; p.I = I; p.K = cfg.topk; p.T_max = t_max;
+  p.dtype = fp8 ? ref::DType::kFP8 : ref::DType::kBF16;
+
+  std::ostringstream out;
+  const double peak = o.peak_tflops > 0 ? o.peak_tflops : (fp8 ? 1360.0 : 790.0);
+  const int64_t elem = fp8 ? 1 : 2;
+  for (int T : o.tokens) {
+    const std::vector<int> T_all(R, T);
+    // Input sets, rotated so that repeats do not run from L2.
+    const int sets = std::max(1, o.sets);
+    std::vector<void*> xs(sets), ys(sets);
+    std::vector<int32_t*> idxs(sets);
+    std::vector<float*> wts(sets);
+    std::vector<Traffic> traffic(sets);
+    for (int s = 0; s < sets; ++s) {
+      BENCH_CUDA(cudaMalloc(&xs[s], std::max<int64_t>(1, int64_t(T) * H) * 2));
+      BENCH_CUDA(cudaMalloc(&ys[s], std::max<int64_t>(1, int64_t(T) * H) * 2));
+      BENCH_CUDA(cudaMalloc(&idxs[s], std::max(1, T * cfg.topk) * 4));
+      BENCH_CUDA(cudaMalloc(&wts[s], std::max(1, T * cfg.topk) * 4));
+      fill_bf16<<<256, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(xs[s]), int64_t(T) * H, seed + 100 + s, 1.7f);
+      std::vector<ref::Routed> all;
+      for (int r = 0; r < R; ++r) all.push_back(ref::make_routing(p, o.routing, r, T, ref::mix_seed(99, T, s)));
+      if (T > 0) {
+        BENCH_CUDA(cudaMemcpy(idxs[s], all[me].topk_idx.data(), all[me].topk_idx.size() * 4, cudaMemcpyHostToDevice));
+        BENCH_CUDA(cudaMemcpy(wts[s], all[me].topk_w.data(), all[me].topk_w.size() * 4, cudaMemcpyHostToDevice));
+      }
+      traffic[s] = count_traffic(p, all, T_all, me);
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    Traffic avg;
+    for (auto& t : traffic) {
+      avg.rows += t.rows; avg.active_experts += t.active_experts;
+      avg.tokens_in += t.tokens_in; avg.partials_out += t.partials_out;
+    }
+    const double rows = double(avg.rows) / sets, active = double(avg.active_experts) / sets;
+    const double flops = 6.0 * H * I * rows;
+    // Dispatch: one payload row (+ scales) per token and remote destination; combine: one fp32
+    // partial row per token and remote expert rank (docs/COMM.md).
+    const double row_bytes = double(H) * elem + (fp8 ? H / 128 * 4 : 0);
+    const double nvlink = (double(avg.tokens_in) * row_bytes + double(avg.partials_out) * H * 4) / sets;
+    const double weight_bytes = active * 3.0 * H * I * elem;
+    const double act_bytes = rows * (2.0 * H * elem + 2.0 * I * elem + 4.0 * H) + 4.0 * T * H;
+    const double floor_us = std::max(flops / (peak * 1e12), (weight_bytes + act_bytes) / (o.hbm_gbs * 1e9)) * 1e6;
+
+    std::vector<double> path_median;
+    for (const std::string& path_name : o.paths) {
+      const Path path = path_name == "fused" ? Path::kFused : Path::kPipeline;
+      Status probe = layer->forward(xs[0], idxs[0], wts[0], ys[0], T, stream, path);
+      if (probe.code() == StatusCode::kUnsupported) {
+        out << "  rank " << me << "  " << path_name << "  T=" << T << "  n/a: " << probe.message() << "\n";
+        path_median.push_back(0);
+        continue;
+      }
+      BENCH_OK(probe);
+      std::vector<cudaGraphExec_t> graphs(sets, nullptr);
+      if (o.graph) {
+        for (int s = 0; s < sets; ++s) {
+          cudaGraph_t g;
+          BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          Status st = layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, path);
+          cudaError_t e = cudaStreamEndCapture(stream, &g);
+          BENCH_OK(st);
+          BENCH_CUDA(e);
+          BENCH_CUDA(cudaGraphInstantiate(&graphs[s], g, 0));
+          cudaGraphDestroy(g);
+        }
+      }
+      auto launch = [&](int it) -> Status {
+        const int s = it % sets;
+        if (o.graph) {
+          BENCH_CUDA(cudaGraphLaunch(graphs[s], stream));
+          return Status::Ok();
+        }
+        return layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, path);
+      };
+      for (int it = 0; it < o.warmup; ++it) BENCH_OK(launch(it));
+      std::vector<cudaEvent_t> ev(2 * o.iters);
+      for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+      BENCH_OK(comm->barrier(stream));
+      for (int it = 0; it < o.iters; ++it) {
+        BENCH_CUDA(cudaEventRecord(ev[2 * it], stream));
+        BENCH_OK(launch(it));
+        BENCH_CUDA(cudaEventRecord(ev[2 * it + 1], stream));
+      }
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      BENCH_OK(layer->check_device_error(stream));
+      std::vector<double> us(o.iters);
+      for (int it = 0; it < o.iters; ++it) {
+        float ms = 0;
+        BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * it], ev[2 * it + 1]));
+        us[it] = ms * 1e3;
+      }
+      for (auto& e : ev) cudaEventDestroy(e);
+      for (auto g : graphs) if (g) cudaGraphExecDestroy(g);
+      const Stats st = stats_of(us);
+      path_median.push_back(st.median);
+
+      // Per-stage split (pipeline only), from a separate timed pass without graphs.
+      std::string stages;
+      if (path == Path::kPipeline) {
+        detail::LayerInternals* in = detail::internals(*layer);
+        std::vector<std::vector<double>> per(4);
+        in->set_stage_timing(true);
+        for (int it = 0; it < std::min(o.iters, 20); ++it) {
+          BENCH_OK(layer->forward(xs[it % sets], idxs[it % sets], wts[it % sets], ys[it % sets], T, stream, path));
+          float ms[4];
+          BENCH_OK(in->stage_times_ms(ms));
+          for (int k = 0; k < 4; ++k) per[k].push_back(ms[k] * 1e3);
+        }
+        in->set_stage_timing(false);
+        char buf[160];
+        std::snprintf(buf, sizeof(buf), "dispatch %.0f / L1 %.0f / L2 %.0f / combine %.0f us",
+                      stats_of(per[0]).median, stats_of(per[1]).median, stats_of(per[2]).median,
+                      stats_of(per[3]).median);
+        stages = buf;
+      }
+      char line[512];
+      if (o.json) {
+        std::snprintf(line, sizeof(line),
+                      "{\"rank\":%d,\"path\":\"%s\",\"shape\":\"%s\",\"dtype\":\"%s\",\"tokens\":%d,\"median_us\":%.2f,"
+                      "\"p10_us\":%.2f,\"p90_us\":%.2f,\"tflops\":%.1f,\"rows\":%.0f,\"nvlink_bytes\":%.0f,"
+                      "\"floor_us\":%.2f,\"ratio_to_floor\":%.3f,\"graph\":%s}\n",
+                      me, path_name.c_str(), o.shape.name.c_str(), fp8 ? "fp8" : "bf16", T, st.median, st.p10,
+                      st.p90, flops / (st.median * 1e-6) / 1e12, rows, nvlink, floor_us, st.median / floor_us,
+                      o.graph ? "true" : "false");
+      } else {
+        std::snprintf(line, sizeof(line),
+                      "  %4d  %-8s %6d %10.1f %9.1f %9.1f %8.1f %10.0f %9.2f %8.1f %7.2fx  %s\n", me,
+                      path_name.c_str(), T, st.median, st.p10, st.p90, flops / (st.median * 1e-6) / 1e12, rows,
+                      nvlink / 1e6, floor_us, st.median / floor_us, stages.c_str());
+      }
+      out << line;
+    }
+    if (!o.json && path_median.size() == 2 && path_median[0] > 0 && path_median[1] > 0)
+      out << "        " << o.paths[1] << " / " << o.paths[0] << " time ratio at T=" << T << ": "
+          << path_median[1] / path_median[0] << "\n";
+    for (int s = 0; s < sets; ++s) {
+      cudaFree(xs[s]); cudaFree(ys[s]); cudaFree(idxs[s]); cudaFree(wts[s]);
+    }
+  }
+
+  // Print in rank order.
+  for (int r = 0; r < R; ++r) {
+    BENCH_OK(comm->barrier(stream));
+    if (r == me) {
+      std::fputs(out.str().c_str(), stdout);
+      std::fflush(stdout);
+    }
+  }
+  BENCH_OK(comm->barrier(stream));
+  (void)report;
+  return Status::Ok();
+}
+
+int run_layer(const std::vector<std::string>& args) {
+  Flags f(args);
+  const auto unknown = f.unknown({"ranks", "shape", "dtype", "tokens", "routing", "path", "iters", "warmup",
+                                  "sets", "graph", "json", "peak-tflops", "hbm-gbs", "timeout"});
+  if (!unknown.empty()) {
+    std::fprintf(stderr, "epmoe-bench layer: unknown flag --%s\n", unknown[0].c_str());
+    return 2;
+  }
+  Options o;
+  if (!shape_by_name(f.str("shape", "dsv3"), &o.shape)) {
+    std::fprintf(stderr, "epmoe-bench layer: --shape must be dsv3, qwen3 or top2\n");
+    return 2;
+  }
+  const std::string dt = f.str("dtype", "fp8");
+  if (dt != "fp8" && dt != "bf16") {
+    std::fprintf(stderr, "epmoe-bench layer: --dtype must be fp8 or bf16\n");
+    return 2;
+  }
+  o.dtype = dt == "fp8" ? DType::kFP8 : DType::kBF16;
+  if (!routing_by_name(f.str("routing", "uniform"), &o.routing)) {
+    std::fprintf(stderr, "epmoe-bench layer: unknown --routing (uniform, zipf, one_expert, one_rank, masked, duplicate_ranks)\n");
+    return 2;
+  }
+  for (auto& t : f.list("tokens", "1,128,1024,4096")) o.tokens.push_back(std::atoi(t.c_str()));
+  o.paths = f.list("path", "pipeline,fused");
+  for (auto& pth : o.paths)
+    if (pth != "pipeline" && pth != "fused") {
+      std::fprintf(stderr, "epmoe-bench layer: --path takes pipeline and/or fused\n");
+      return 2;
+    }
+  o.iters = f.integer("iters", 50);
+  o.warmup = f.integer("warmup", 10);
+  o.sets = f.integer("sets", 4);
+  o.graph = f.integer("graph", 1) != 0;
+  o.json = f.has("json");
+  o.peak_tflops = f.real("peak-tflops", 0);
+  o.hbm_gbs = f.real("hbm-gbs", 4200);
+
+  const int gpus = probe_gpu_count();
+  const int ranks = parse_ranks_flag(args, gpus);
+  if (ranks < 1) {
+    std::fprintf(stderr, "epmoe-bench layer: bad --ranks\n");
+    return 2;
+  }
+  if (gpus < ranks || gpus == 0) {
+    std::printf("epmoe-bench layer: needs %d GPU(s), %d visible. Nothing to measure here.\n", std::max(ranks, 1), gpus);
+    return gpus == 0 ? 0 : 1;
+  }
+  if (!o.json) {
+    std::printf("epmoe-bench layer: shape %s (E/rank %d, H %d, I %d, K %d), %s, routing %s, %d ranks, %s, iters %d\n",
+                o.shape.name.c_str(), o.shape.experts_per_rank, o.shape.hidden, o.shape.inter, o.shape.topk,
+                dt.c_str(), ref::routing_name(o.routing), ranks, o.graph ? "CUDA graphs" : "direct launches",
+                o.iters);
+    std::printf("  floor = max(FLOPs / %.0f TFLOP/s, HBM bytes / %.0f GB/s); NVLink MB = payload into+out of the rank\n",
+                o.peak_tflops > 0 ? o.peak_tflops : (o.dtype == DType::kFP8 ? 1360.0 : 790.0), o.hbm_gbs);
+    std::printf("  rank  path      tokens  median_us    p10_us    p90_us  TFLOP/s       rows NVLink_MB  floor_us  /floor  stages\n");
+  }
+  LaunchOptions lo;
+  lo.num_ranks = ranks;
+  lo.timeout_seconds = f.real("timeout", 540);
+  const LaunchResult r = launch_ranks(lo, [&](const RankContext& ctx) {
+    std::string report;
+    return run_rank(ctx, o, &report);
+  });
+  if (!r.ok) {
+    std::fprintf(stderr, "epmoe-bench layer: FAILED: %s\n", r.message.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+EPMOE_BENCH_COMMAND("layer", "the whole MoE layer per rank: --shape dsv3|qwen3|top2 --dtype fp8|bf16 --tokens 1,128,4096 --path pipeline,fused", run_layer);
+
+}  // namespace epmoe::bench

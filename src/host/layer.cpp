@@ -1,0 +1,175 @@
+// MoELayer: the non-fused pipeline (dispatch -> L1 + SwiGLU -> L2 -> combine), stream-ordered,
+// no host sync, so a forward call can be captured in a CUDA graph.
+#include "epmoe/layer.h"
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "epmoe/comm.h"
+#include "epmoe/dispatch.h"
+#include "host/check.h"
+#include "host/gemm.h"
+#include "host/layer_impl.h"
+
+namespace epmoe {
+
+using detail::invalid;
+
+namespace {
+
+// Device buffer owned by the layer; freed on destruction.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  ~DeviceBuffer() { if (ptr) cudaFree(ptr); }
+  Status alloc(size_t bytes) {
+    EPMOE_CUDA_RETURN(cudaMalloc(&ptr, bytes));
+    return Status::Ok();
+  }
+};
+
+class PipelineLayer final : public MoELayer, public detail::LayerInternals {
+ public:
+  PipelineLayer(Communicator& comm, const LayerConfig& cfg) : comm_(comm), cfg_(cfg) {}
+
+  Status init() {
+    DispatchConfig dc;
+    dc.num_experts = cfg_.num_experts;
+    dc.hidden = cfg_.hidden;
+    dc.topk = cfg_.topk;
+    dc.max_tokens_per_rank = cfg_.max_tokens_per_rank;
+    dc.row_align = gemm::row_align(cfg_.dtype);
+    dc.intermediate = cfg_.intermediate;
+    dc.dtype = cfg_.dtype;
+    dc.pow2_scales = cfg_.pow2_scales;
+    EPMOE_RETURN_IF_ERROR(DispatchHandle::create(comm_, dc, &dispatch_));
+
+    const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
+    const size_t elem = cfg_.dtype == DType::kFP8 ? 1 : 2;
+    EPMOE_RETURN_IF_ERROR(w1_.alloc(size_t(g) * 2 * i * h * elem));
+    EPMOE_RETURN_IF_ERROR(w2_.alloc(size_t(g) * h * i * elem));
+    if (cfg_.dtype == DType::kFP8) {
+      EPMOE_RETURN_IF_ERROR(w1_scale_.alloc(size_t(g) * (2 * i / 128) * (h / 128) * sizeof(float)));
+      EPMOE_RETURN_IF_ERROR(w2_scale_.alloc(size_t(g) * (h / 128) * (i / 128) * sizeof(float)));
+    }
+    for (auto& e : stage_events_) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
+    return Status::Ok();
+  }
+
+  ~PipelineLayer() override {
+    for (auto& e : stage_events_) if (e) cudaEventDestroy(e);
+  }
+
+  Status load_weights(const ExpertWeights& w, cudaStream_t stream) override {
+    const bool fp8 = cfg_.dtype == DType::kFP8;
+    if (!w.w1 || !w.w2) return invalid("load_weights: w1 and w2 must be set");
+    if (fp8 && (!w.w1_scale || !w.w2_scale))
+      return invalid("load_weights: FP8 mode needs w1_scale and w2_scale");
+    if (!fp8 && (w.w1_scale || w.w2_scale))
+      return invalid("load_weights: BF16 mode takes no weight scales (w1_scale/w2_scale must be null)");
+    const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
+    const size_t elem = fp8 ? 1 : 2;
+    const size_t w1_bytes = size_t(g) * 2 * i * h * elem, w2_bytes = size_t(g) * h * i * elem;
+    const size_t s1_bytes = fp8 ? size_t(g) * (2 * i / 128) * (h / 128) * 4 : 0;
+    const size_t s2_bytes = fp8 ? size_t(g) * (h / 128) * (i / 128) * 4 : 0;
+
+    // The transforms read device memory: stage host weights on the device first.
+    DeviceBuffer staged[4];
+    const void* src[4] = {w.w1, w.w1_scale, w.w2, w.w2_scale};
+    const size_t bytes[4] = {w1_bytes, s1_bytes, w2_bytes, s2_bytes};
+    if (!w.on_device) {
+      for (int b = 0; b < 4; ++b) {
+        if (!bytes[b]) continue;
+        EPMOE_RETURN_IF_ERROR(staged[b].alloc(bytes[b]));
+        EPMOE_CUDA_RETURN(cudaMemcpyAsync(staged[b].ptr, src[b], bytes[b], cudaMemcpyHostToDevice, stream));
+        src[b] = staged[b].ptr;
+      }
+    }
+    EPMOE_RETURN_IF_ERROR(gemm::prepare_w1(cfg_.dtype, src[0], static_cast<const float*>(src[1]), w1_.ptr,
+                                           static_cast<float*>(w1_scale_.ptr), g, i, h, stream));
+    EPMOE_RETURN_IF_ERROR(gemm::prepare_w2(cfg_.dtype, src[2], static_cast<const float*>(src[3]), w2_.ptr,
+                                           static_cast<float*>(w2_scale_.ptr), g, h, i, stream));
+    // Why sync: the staging buffers die at the end of this one-time call.
+    EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+    weights_loaded_ = true;
+    return Status::Ok();
+  }
+
+  Status forward(const void* x, const int32_t* topk_idx, const float* topk_weights, void* y,
+                 int64_t num_tokens, cudaStream_t stream, Path path) override {
+    EPMOE_RETURN_IF_ERROR(validate_call(cfg_, num_tokens, x, topk_idx, topk_weights, y));
+    if (!weights_loaded_) return invalid("forward: load_weights() has not been called");
+    if (path == Path::kFused)
+      return Status(StatusCode::kUnsupported,
+                    "forward: path=fused (the megakernel) is not implemented yet; use Path::kPipeline");
+    if (path != Path::kPipeline) return invalid("forward: path=", static_cast<int>(path), " is unknown");
+
+    record(0, stream);
+    EPMOE_RETURN_IF_ERROR(dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream));
+    record(1, stream);
+    const ExpertPoolView pool = dispatch_->pool();
+    gemm::GroupedArgs args{cfg_.experts_per_rank(), pool.expert_count, pool.expert_offset,
+                           pool.max_rows, pool.scale_stride};
+    EPMOE_RETURN_IF_ERROR(gemm::l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_.ptr,
+                                   static_cast<const float*>(w1_scale_.ptr), pool.row_weight,
+                                   cfg_.hidden, cfg_.intermediate, cfg_.activation_clamp,
+                                   cfg_.pow2_scales, pool.a_pool, pool.a_scale, stream));
+    record(2, stream);
+    EPMOE_RETURN_IF_ERROR(gemm::l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
+                                   static_cast<const float*>(w2_scale_.ptr), cfg_.intermediate,
+                                   cfg_.hidden, pool.o_pool, stream));
+    record(3, stream);
+    EPMOE_RETURN_IF_ERROR(dispatch_->combine(y, num_tokens, stream));
+    record(4, stream);
+    return Status::Ok();
+  }
+
+  Status check_device_error(cudaStream_t stream) override { return dispatch_->check_errors(stream); }
+
+  const LayerConfig& config() const override { return cfg_; }
+
+  // detail::LayerInternals: for the benchmark and tests.
+  void set_stage_timing(bool on) override { timing_ = on; }
+  Status stage_times_ms(float out[4]) override {
+    if (!timing_) return invalid("stage_times_ms: call set_stage_timing(true) before forward");
+    EPMOE_CUDA_RETURN(cudaEventSynchronize(stage_events_[4]));
+    for (int s = 0; s < 4; ++s)
+      EPMOE_CUDA_RETURN(cudaEventElapsedTime(&out[s], stage_events_[s], stage_events_[s + 1]));
+    return Status::Ok();
+  }
+  DispatchHandle& dispatcher() override { return *dispatch_; }
+
+ private:
+  void record(int i, cudaStream_t stream) {
+    if (timing_) cudaEventRecord(stage_events_[i], stream);
+  }
+
+  Communicator& comm_;
+  LayerConfig cfg_;
+  std::unique_ptr<DispatchHandle> dispatch_;
+  DeviceBuffer w1_, w2_, w1_scale_, w2_scale_;
+  bool weights_loaded_ = false;
+  bool timing_ = false;
+  cudaEvent_t stage_events_[5] = {};
+};
+
+}  // namespace
+
+Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out) {
+  if (!out) return invalid("MoELayer::create: out is null");
+  EPMOE_RETURN_IF_ERROR(validate(cfg));
+  if (cfg.num_ranks != comm.size())
+    return invalid("num_ranks=", cfg.num_ranks, " must equal the communicator size ", comm.size());
+  EPMOE_RETURN_IF_ERROR(gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate));
+  EPMOE_CUDA_RETURN(cudaSetDevice(comm.device()));
+  auto layer = std::make_unique<PipelineLayer>(comm, cfg);
+  EPMOE_RETURN_IF_ERROR(layer->init());
+  *out = std::move(layer);
+  return Status::Ok();
+}
+
+namespace detail {
+LayerInternals* internals(MoELayer& layer) { return dynamic_cast<LayerInternals*>(&layer); }
+}  // namespace detail
+
+}  // namespace epmoe

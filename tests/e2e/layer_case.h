@@ -1,0 +1,47 @@
+// The end-to-end layer check: one rank's side of a forward call against tests/reference.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epmoe/config.h"
+#include "epmoe/launcher.h"
+#include "epmoe/status.h"
+#include "reference/data.h"
+
+namespace epmoe::e2e {
+
+// A model slice: experts per rank, H, I, K.
+struct Shape {
+  const char* name;
+  int experts_per_rank, hidden, inter, topk;
+};
+inline constexpr Shape kDsv3{"dsv3", 32, 7168, 2048, 8};
+inline constexpr Shape kQwen3{"qwen3", 64, 2048, 768, 8};
+inline constexpr Shape kTop2{"top2", 16, 2048, 2048, 2};
+
+struct LayerCase {
+  Shape shape = kQwen3;
+  ref::DType dtype = ref::DType::kFP8;
+  ref::Routing routing = ref::Routing::kUniform;
+  std::vector<int> tokens;      // T per rank; size = number of ranks
+  int max_tokens = 0;           // T_max; 0 = max(tokens)
+  int sample_per_rank = 64;     // tokens checked against the reference per rank and call
+  int calls = 1;                // forward calls, each with fresh routing
+  int check_every = 1;          // compare every n-th call (and the last)
+  bool graph = false;           // capture one forward in a CUDA graph and replay it
+  float clamp = 0.f;
+  bool pow2_scales = false;
+  Path path = Path::kPipeline;
+  std::string describe() const;
+};
+
+// Runs `c` on this rank; every rank of the launch calls it with the same case and seed.
+Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed);
+
+// Bad inputs on a small layer: host-side rejections before launch, device-side index errors
+// reported by check_device_error(), y left as it was when the call is rejected.
+Status run_bad_input_case(const RankContext& ctx, uint64_t seed);
+
+}  // namespace epmoe::e2e
