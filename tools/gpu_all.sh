@@ -17,6 +17,7 @@ summary=()
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
   [ -x "${1}" ] || { summary+=("$name: SKIPPED (no ${1})"); return; }
+  [ "$name" != python_binding ] || [ -f "$bin/libepmoe_c.so" ] || { summary+=("$name: SKIPPED (no libepmoe_c.so)"); return; }
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -28,6 +29,7 @@ step gpu_check 120 "$bin/epmoe-gpu-check"
 step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
 step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
 step mgpu_tests 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1
+step python_binding 300 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so"
 if [ "$mode" = full ]; then
   step bench_gemm 240 "$bin/epmoe-bench" gemm
   step bench_comm 180 "$bin/epmoe-bench" comm

@@ -11,4 +11,7 @@ rm -rf .gpu/bin && mkdir -p .gpu/bin
 for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests; do
   [ -x "$build/$b" ] && cp "$build/$b" .gpu/bin/ && strip --strip-debug .gpu/bin/$b || true
 done
+if [ -f "$build/python/libepmoe_c.so" ]; then
+  cp "$build/python/libepmoe_c.so" .gpu/bin/ && strip --strip-debug .gpu/bin/libepmoe_c.so
+fi
 du -sh .gpu/bin

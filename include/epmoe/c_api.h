@@ -1,0 +1,185 @@
+// epmoe: a C interface over the C++ API, for language bindings (the Python package loads it
+// through ctypes from libepmoe_c.so).
+//
+// Conventions:
+//  - Every fallible function returns an `int` status: EPMOE_OK (0) or one of the codes below,
+//    which equal the values of epmoe::StatusCode. On failure, epmoe_last_error() returns the
+//    library's message for the failing call on the calling thread.
+//  - Handles are opaque. Streams are cudaStream_t values passed as `void*` (NULL is the legacy
+//    default stream). Device pointers are plain `void*`.
+//  - No function throws; a C++ exception inside becomes EPMOE_INTERNAL with its what().
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define EPMOE_C_EXPORT __attribute__((visibility("default")))
+#else
+#define EPMOE_C_EXPORT
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/// Bumped whenever a signature or a struct below changes; bindings check it at load time.
+#define EPMOE_C_API_VERSION 1
+
+/// Size of an ncclUniqueId, the token that bootstraps a communicator.
+#define EPMOE_UNIQUE_ID_BYTES 128
+
+/// Status codes (the values of epmoe::StatusCode).
+enum {
+  EPMOE_OK = 0,
+  EPMOE_INVALID_ARGUMENT = 1,
+  EPMOE_UNSUPPORTED = 2,
+  EPMOE_CUDA_ERROR = 3,
+  EPMOE_NCCL_ERROR = 4,
+  EPMOE_TIMEOUT = 5,
+  EPMOE_INTERNAL = 6,
+};
+
+/// Numeric mode (epmoe::DType).
+enum { EPMOE_DTYPE_FP8 = 0, EPMOE_DTYPE_BF16 = 1 };
+
+/// Implementation of a forward call (epmoe::Path).
+enum { EPMOE_PATH_PIPELINE = 0, EPMOE_PATH_FUSED = 1 };
+
+/// Mirror of epmoe::LayerConfig with fixed-width fields (see config.h for the allowed ranges).
+typedef struct epmoe_layer_config {
+  int32_t num_ranks;  ///< R; in epmoe_layer_create, 0 means "the communicator's size".
+  int32_t num_experts;
+  int32_t hidden;
+  int32_t intermediate;
+  int32_t topk;
+  int32_t max_tokens_per_rank;
+  int32_t dtype;             ///< EPMOE_DTYPE_*
+  float activation_clamp;    ///< <= 0 disables the clamp
+  int32_t pow2_scales;       ///< nonzero: round FP8 activation scales up to a power of two
+} epmoe_layer_config;
+
+/// Precision of combine's partial sums (epmoe::PartialPrecision).
+enum { EPMOE_PARTIALS_FP32 = 0, EPMOE_PARTIALS_BF16 = 1 };
+
+/// Mirror of epmoe::DispatchConfig (see dispatch.h).
+typedef struct epmoe_dispatch_config {
+  int32_t num_experts;
+  int32_t hidden;
+  int32_t topk;
+  int32_t max_tokens_per_rank;
+  int32_t row_align;         ///< expert segments start at multiples of this (128 by default)
+  int32_t intermediate;      ///< only sizes the pool's a_pool region (0: none)
+  int32_t dtype;             ///< EPMOE_DTYPE_*
+  int32_t pow2_scales;
+  int32_t combine_partials;  ///< EPMOE_PARTIALS_*
+  int32_t num_blocks;        ///< 0: one per SM
+  double timeout_seconds;    ///< bound of every device-side wait for a peer
+} epmoe_dispatch_config;
+
+/// Mirror of epmoe::ExpertPoolView: device pointers into the expert-major pool.
+typedef struct epmoe_pool_view {
+  void* base;
+  int64_t bytes;
+  int64_t max_rows;
+  int64_t scale_stride;
+  void* x_pool;            ///< [max_rows][H] e4m3 or bf16
+  float* x_scale;          ///< [H/128][scale_stride] (FP8 only, else NULL)
+  float* row_weight;       ///< [max_rows]
+  uint32_t* row_source;    ///< [max_rows]
+  void* a_pool;            ///< [max_rows][I] (NULL when intermediate == 0)
+  float* a_scale;
+  uint16_t* o_pool;        ///< [max_rows][H] bf16, combine's input
+  int32_t* expert_count;   ///< [E_loc]
+  int32_t* expert_offset;  ///< [E_loc + 1]
+} epmoe_pool_view;
+
+typedef struct epmoe_comm epmoe_comm;          ///< an epmoe::Communicator (owning or borrowed NCCL comm)
+typedef struct epmoe_layer epmoe_layer;        ///< an epmoe::MoELayer plus the device it lives on
+typedef struct epmoe_dispatch epmoe_dispatch;  ///< an epmoe::DispatchHandle
+
+// ---- library ------------------------------------------------------------------------------------
+
+/// EPMOE_C_API_VERSION of the loaded library.
+EPMOE_C_EXPORT int epmoe_c_api_version(void);
+/// "0.1.0".
+EPMOE_C_EXPORT const char* epmoe_version_string(void);
+/// "InvalidArgument", "CudaError", ... for a status code.
+EPMOE_C_EXPORT const char* epmoe_status_name(int status);
+/// The message of the last failing call on this thread ("" if none). Valid until the next epmoe
+/// call on this thread.
+EPMOE_C_EXPORT const char* epmoe_last_error(void);
+/// Checks that the libnccl the loader picked is new enough; writes its version code (may be NULL).
+EPMOE_C_EXPORT int epmoe_nccl_runtime_version(int* version_code);
+
+// ---- validation (host only: usable without a GPU) ----------------------------------------------
+
+/// epmoe::validate() on `cfg`.
+EPMOE_C_EXPORT int epmoe_validate_config(const epmoe_layer_config* cfg);
+/// epmoe::validate_call(): token count against T_max, pointers present for num_tokens > 0.
+EPMOE_C_EXPORT int epmoe_validate_call(const epmoe_layer_config* cfg, int64_t num_tokens,
+                                       const void* x, const void* topk_idx,
+                                       const void* topk_weights, const void* y);
+/// epmoe::validate_routing_host() on a host array topk_idx[num_tokens][cfg->topk].
+EPMOE_C_EXPORT int epmoe_validate_routing_host(const epmoe_layer_config* cfg, int64_t num_tokens,
+                                               const int32_t* topk_idx);
+
+// ---- communicator -------------------------------------------------------------------------------
+
+/// ncclGetUniqueId into `out` (EPMOE_UNIQUE_ID_BYTES bytes). One rank calls it and shares the bytes.
+EPMOE_C_EXPORT int epmoe_get_unique_id(uint8_t* out);
+/// Collective over `size` ranks: makes `device` current and creates an NCCL communicator from the
+/// shared unique id. The returned communicator owns it and destroys it in epmoe_comm_destroy.
+EPMOE_C_EXPORT int epmoe_comm_create(const uint8_t* unique_id, int rank, int size, int device,
+                                     epmoe_comm** out);
+/// Wraps an existing ncclComm_t (passed as an integer). The caller keeps ownership and keeps it
+/// alive until epmoe_comm_destroy and every layer made from it are gone.
+EPMOE_C_EXPORT int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out);
+/// Rank, size and CUDA device of a communicator (any output may be NULL).
+EPMOE_C_EXPORT int epmoe_comm_info(const epmoe_comm* comm, int* rank, int* size, int* device);
+/// Destroys the wrapper (and the NCCL communicator if it owns it). NULL is a no-op.
+EPMOE_C_EXPORT int epmoe_comm_destroy(epmoe_comm* comm);
+
+// ---- layer --------------------------------------------------------------------------------------
+
+/// Collective: epmoe::MoELayer::create. `comm` must outlive the layer.
+EPMOE_C_EXPORT int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg,
+                                      epmoe_layer** out);
+/// The configuration the layer was created with (num_ranks filled in).
+EPMOE_C_EXPORT int epmoe_layer_get_config(const epmoe_layer* layer, epmoe_layer_config* cfg);
+/// MoELayer::load_weights. Layouts are those of epmoe::ExpertWeights; scales are NULL in BF16
+/// mode. `on_device`: nonzero when the four pointers are device memory, else host memory.
+EPMOE_C_EXPORT int epmoe_layer_load_weights(epmoe_layer* layer, const void* w1,
+                                            const float* w1_scale, const void* w2,
+                                            const float* w2_scale, int on_device, void* stream);
+/// MoELayer::forward on `stream`: y[T][H] bf16 from x[T][H] bf16, topk_idx[T][K] int32 and
+/// topk_weights[T][K] fp32 (device pointers). Collective; never synchronizes (graph-capturable).
+EPMOE_C_EXPORT int epmoe_layer_forward(epmoe_layer* layer, const void* x, const int32_t* topk_idx,
+                                       const float* topk_weights, void* y, int64_t num_tokens,
+                                       void* stream, int path);
+/// MoELayer::check_device_error: synchronizes `stream`, reports an error the device recorded.
+EPMOE_C_EXPORT int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream);
+/// Frees the layer. NULL is a no-op.
+EPMOE_C_EXPORT int epmoe_layer_destroy(epmoe_layer* layer);
+
+// ---- standalone dispatch / combine ---------------------------------------------------------------
+
+/// Collective: epmoe::DispatchHandle::create (the handle allocates its own pool). `comm` must
+/// outlive the handle.
+EPMOE_C_EXPORT int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg,
+                                         epmoe_dispatch** out);
+/// The pool's regions (device pointers, valid while the handle lives).
+EPMOE_C_EXPORT int epmoe_dispatch_get_pool(const epmoe_dispatch* handle, epmoe_pool_view* view);
+/// DispatchHandle::dispatch: x[T][H] bf16, topk_idx[T][K] int32, topk_weights[T][K] fp32.
+EPMOE_C_EXPORT int epmoe_dispatch_run(epmoe_dispatch* handle, const void* x, const int32_t* topk_idx,
+                                      const float* topk_weights, int64_t num_tokens, void* stream);
+/// DispatchHandle::combine: y[T][H] bf16 for the T of the last dispatch.
+EPMOE_C_EXPORT int epmoe_combine_run(epmoe_dispatch* handle, void* y, int64_t num_tokens, void* stream);
+/// DispatchHandle::check_errors: synchronizes `stream`, reports and clears recorded errors.
+EPMOE_C_EXPORT int epmoe_dispatch_check_errors(epmoe_dispatch* handle, void* stream);
+/// Frees the handle. NULL is a no-op.
+EPMOE_C_EXPORT int epmoe_dispatch_destroy(epmoe_dispatch* handle);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif

@@ -1,0 +1,252 @@
+"""epmoe.Layer: the MoE layer of SPEC.md over the GPUs of one node, one process per GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from . import _checks, _frameworks, _lib
+from ._checks import BF16, FP8, FP32, INT32, choice_arg, float_arg, int_arg
+from ._errors import InvalidArgument
+from .comm import Communicator
+
+DTYPES = {"fp8": _lib.DTYPE_FP8, "bf16": _lib.DTYPE_BF16}
+PATHS = {"fused": _lib.PATH_FUSED, "pipeline": _lib.PATH_PIPELINE}
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Shapes and options of one layer, identical on every rank (mirror of epmoe::LayerConfig).
+
+    ``validate()`` runs the library's own checks and needs no GPU.
+    """
+
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    intermediate: int
+    topk: int
+    max_tokens_per_rank: int
+    dtype: str = "fp8"
+    activation_clamp: float | None = None
+    pow2_scales: bool = False
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks if self.num_ranks > 0 else 0
+
+    def to_c(self) -> _lib.LayerConfigC:
+        c = _lib.LayerConfigC()
+        for field in ("num_ranks", "num_experts", "hidden", "intermediate", "topk",
+                      "max_tokens_per_rank"):
+            setattr(c, field, int_arg(field, getattr(self, field)))
+        c.dtype = choice_arg("dtype", self.dtype, DTYPES)
+        clamp = self.activation_clamp
+        c.activation_clamp = 0.0 if clamp is None else float_arg("activation_clamp", clamp)
+        if not isinstance(self.pow2_scales, bool):
+            raise InvalidArgument(f"pow2_scales must be a bool, got {self.pow2_scales!r}")
+        c.pow2_scales = int(self.pow2_scales)
+        return c
+
+    def validate(self) -> "LayerConfig":
+        """Raises InvalidArgument with the library's message if a field is out of range."""
+        c = self.to_c()
+        _lib.call("epmoe_validate_config", ctypes.byref(c))
+        return self
+
+    def validate_call(self, num_tokens: int) -> None:
+        """The library's per-call host checks for `num_tokens` tokens (0 <= T <= T_max)."""
+        c = self.to_c()
+        t = int_arg("num_tokens", num_tokens)
+        # Non-null stand-ins: only the token count is checked here, pointers are checked per call.
+        p = 1 if t > 0 else None
+        _lib.call("epmoe_validate_call", ctypes.byref(c), t, p, p, p, p)
+
+    def check_routing(self, topk_idx: Any) -> None:
+        """Checks a routing table in host memory (numpy, or a CPU torch tensor): every index in
+        [0, num_experts) or -1. Forward calls never read device data on the host; use this to
+        debug a table, or :meth:`Layer.check_device_error` after a call."""
+        v = _checks.tensor(topk_idx, "topk_idx", dtypes=INT32, shape=(None, self.topk),
+                           dims=("T", "topk"), device=None, stream=None, on_cuda=False)
+        if v.device_type != _checks.KDL_CPU:
+            raise InvalidArgument(f"check_routing reads host memory; topk_idx is on "
+                                  f"{v.device_name} (copy it with .cpu() first)")
+        c = self.to_c()
+        _lib.call("epmoe_validate_routing_host", ctypes.byref(c), v.shape[0], v.ptr or None)
+
+    def weight_shapes(self) -> dict:
+        """Shapes of load_weights' arguments for this rank (scales are None in BF16 mode)."""
+        e, h, i = self.experts_per_rank, self.hidden, self.intermediate
+        fp8 = self.dtype == "fp8"
+        return {
+            "w1": (e, 2 * i, h),
+            "w1_scale": (e, 2 * i // 128, h // 128) if fp8 else None,
+            "w2": (e, h, i),
+            "w2_scale": (e, h // 128, i // 128) if fp8 else None,
+        }
+
+
+def _as_communicator(group_or_comm: Any) -> Communicator:
+    if isinstance(group_or_comm, Communicator):
+        return group_or_comm
+    if isinstance(group_or_comm, bool):
+        raise InvalidArgument("group_or_comm must be an epmoe.Communicator, a torch.distributed "
+                              "process group (or None for the default group) or an ncclComm_t int")
+    if isinstance(group_or_comm, int):
+        return Communicator.from_nccl_comm(group_or_comm)
+    if group_or_comm is None or type(group_or_comm).__module__.split(".")[0] == "torch":
+        return Communicator.from_torch(group_or_comm)
+    raise InvalidArgument(f"group_or_comm must be an epmoe.Communicator, a torch.distributed "
+                          f"process group (or None for the default group) or an ncclComm_t int; "
+                          f"got {type(group_or_comm).__module__}.{type(group_or_comm).__qualname__}")
+
+
+def _destroy(handle: int, comm: Communicator) -> None:
+    # `comm` is an argument so that the communicator outlives the layer.
+    _lib.lib().epmoe_layer_destroy(handle)
+
+
+class Layer:
+    """The MoE layer on this rank.
+
+    Collective: every rank of the group creates it with the same arguments, and every rank calls
+    it (with its own token count, possibly 0) the same number of times.
+
+    Args:
+        group_or_comm: an :class:`epmoe.Communicator`, a torch.distributed process group (None:
+            the default group), or an ``ncclComm_t`` as an int.
+        num_experts: E in total; rank r owns experts [r*E/R, (r+1)*E/R).
+        hidden, intermediate: H and I, positive multiples of 128.
+        topk: K.
+        max_tokens_per_rank: T_max; sizes every buffer. Each call has 0 <= T <= T_max.
+        dtype: 'fp8' (e4m3 with block scales) or 'bf16'.
+        activation_clamp: c of SPEC.md step 3; None (or <= 0) disables it.
+        pow2_scales: round FP8 activation scales up to a power of two.
+    """
+
+    def __init__(self, group_or_comm: Any, num_experts: int, hidden: int, intermediate: int,
+                 topk: int, max_tokens_per_rank: int, dtype: str = "fp8",
+                 activation_clamp: float | None = None, *, pow2_scales: bool = False):
+        comm = _as_communicator(group_or_comm)
+        self.config = LayerConfig(comm.size, num_experts, hidden, intermediate, topk,
+                                  max_tokens_per_rank, dtype, activation_clamp,
+                                  pow2_scales).validate()
+        c = self.config.to_c()
+        handle = ctypes.c_void_p()
+        _lib.call("epmoe_layer_create", comm.handle, ctypes.byref(c), ctypes.byref(handle))
+        self._handle = handle.value
+        self.comm = comm
+        self.device = comm.device
+        self._finalizer = weakref.finalize(self, _destroy, self._handle, comm)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"epmoe.Layer(rank={self.comm.rank}/{c.num_ranks}, E={c.num_experts}, "
+                f"H={c.hidden}, I={c.intermediate}, K={c.topk}, T_max={c.max_tokens_per_rank}, "
+                f"dtype={c.dtype!r})")
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, w1: Any, w1_scale: Any, w2: Any, w2_scale: Any,
+                     stream: Any = None) -> None:
+        """Copies and transforms this rank's local experts into the kernels' layout.
+
+        FP8: w1 e4m3 [E_loc, 2I, H], w1_scale fp32 [E_loc, 2I/128, H/128], w2 e4m3 [E_loc, H, I],
+        w2_scale fp32 [E_loc, H/128, I/128]. BF16: w1 bf16 [E_loc, 2I, H], w2 bf16 [E_loc, H, I],
+        scales None. Rows 0..I-1 of each W1 are the gate projection, rows I..2I-1 the up
+        projection. The four tensors are either all on this rank's GPU or all in host memory.
+        """
+        handle = self._live_handle()
+        shapes = self.config.weight_shapes()
+        fp8 = self.config.dtype == "fp8"
+        s, ds = _frameworks.resolve_stream(stream, w1, self.device)
+        dims3 = {"w1": ("E_loc", "2*I", "H"), "w2": ("E_loc", "H", "I"),
+                 "w1_scale": ("E_loc", "2*I/128", "H/128"), "w2_scale": ("E_loc", "H/128", "I/128")}
+        weight_dtypes = FP8 if fp8 else BF16
+        views = {}
+        for name, obj in (("w1", w1), ("w1_scale", w1_scale), ("w2", w2), ("w2_scale", w2_scale)):
+            if name.endswith("_scale"):
+                if not fp8:
+                    if obj is not None:
+                        raise InvalidArgument(f"{name} must be None in bf16 mode")
+                    continue
+                if obj is None:
+                    raise InvalidArgument(f"{name} is required in fp8 mode")
+            views[name] = _checks.tensor(obj, name, dtypes=FP32 if name.endswith("_scale")
+                                         else weight_dtypes, shape=shapes[name], dims=dims3[name],
+                                         device=self.device, stream=ds, on_cuda=False, align=16)
+        where = {v.device_type for v in views.values()}
+        if len(where) != 1:
+            raise InvalidArgument("w1, w2 (and their scales) must all be on the GPU or all in host "
+                                  "memory; got " + ", ".join(f"{v.name} on {v.device_name}"
+                                                             for v in views.values()))
+        on_device = where.pop() == _checks.KDL_CUDA
+        ptr = lambda n: views[n].ptr if n in views else None  # noqa: E731
+        _lib.call("epmoe_layer_load_weights", handle, ptr("w1"), ptr("w1_scale"), ptr("w2"),
+                  ptr("w2_scale"), int(on_device), s)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, out: Any = None,
+                 path: str = "fused", stream: Any = None) -> Any:
+        """y = the MoE layer of SPEC.md; returns `out` (allocated if None: torch and CuPy).
+
+        x [T, H] bf16, topk_idx [T, K] int32 (each in [0, E) or -1), topk_weights [T, K] fp32,
+        out [T, H] bf16, all on this rank's GPU. Runs on `stream` (default: the framework's
+        current stream, e.g. torch.cuda.current_stream()) and never synchronizes with the host,
+        so it can be captured in a CUDA graph. An out-of-range expert index is found on the GPU and
+        reported by :meth:`check_device_error`.
+        """
+        handle = self._live_handle()
+        path_code = choice_arg("path", path, PATHS)
+        c = self.config
+        s, ds = _frameworks.resolve_stream(stream, x, self.device)
+        xv = _checks.tensor(x, "x", dtypes=BF16, shape=(None, c.hidden), dims=("T", "hidden"),
+                            device=self.device, stream=ds, align=16)
+        t = xv.shape[0]
+        if t > c.max_tokens_per_rank:
+            raise InvalidArgument(f"x has T={t} tokens but the layer was created with "
+                                  f"max_tokens_per_rank={c.max_tokens_per_rank}")
+        iv = _checks.tensor(topk_idx, "topk_idx", dtypes=INT32, shape=(t, c.topk),
+                            dims=("T", "topk"), device=self.device, stream=ds)
+        wv = _checks.tensor(topk_weights, "topk_weights", dtypes=FP32, shape=(t, c.topk),
+                            dims=("T", "topk"), device=self.device, stream=ds)
+        if out is None:
+            out = _frameworks.empty(x, (t, c.hidden), self.device)
+        ov = _checks.tensor(out, "out", dtypes=BF16, shape=(t, c.hidden), dims=("T", "hidden"),
+                            device=self.device, stream=ds, align=16, writable=True)
+        _checks.no_overlap(ov, xv, iv, wv)
+        _lib.call("epmoe_layer_forward", handle, xv.ptr or None, iv.ptr or None, wv.ptr or None,
+                  ov.ptr or None, t, s, path_code)
+        return out
+
+    forward = __call__
+
+    def check_device_error(self, stream: Any = None) -> None:
+        """Synchronizes the stream and raises the error the GPU recorded since the last check
+        (an expert index out of range, a peer that never arrived). Not for the hot path."""
+        handle = self._live_handle()
+        s = _frameworks.stream_handle(stream) if stream is not None else self._default_stream()
+        _lib.call("epmoe_layer_check_device_error", handle, s)
+
+    def close(self) -> None:
+        """Frees the layer's GPU buffers now (also done when the object is collected)."""
+        if self._handle is not None:
+            self._finalizer()
+            self._handle = None
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _live_handle(self) -> int:
+        if self._handle is None:
+            raise InvalidArgument("this Layer was closed")
+        return self._handle
+
+    def _default_stream(self) -> int:
+        import sys
+        if "torch" in sys.modules:
+            import torch
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+        return 0

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs the GPU test of the Python binding (gpu_test_layer.py) with a prebuilt libepmoe_c.so and no
+# install: the package comes from python/, the library from $EPMOE_LIBRARY or the first argument.
+# Usage (repository root): bash python/tests/gpu_run.sh [path/to/libepmoe_c.so] [nproc]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+lib=${1:-${EPMOE_LIBRARY:-}}
+if [ -z "$lib" ]; then
+  for c in .gpu/bin/libepmoe_c.so build/python/libepmoe_c.so build-py/python/libepmoe_c.so; do
+    [ -f "$c" ] && { lib=$c; break; }
+  done
+fi
+[ -n "$lib" ] && [ -f "$lib" ] || { echo "gpu_run.sh: no libepmoe_c.so (pass its path)" >&2; exit 1; }
+export EPMOE_LIBRARY=$(realpath "$lib") PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+good_nccl=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
+[ -d "$good_nccl" ] && export LD_LIBRARY_PATH=$good_nccl:${LD_LIBRARY_PATH:-}
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+nproc=${2:-2}
+if [ "$gpus" -lt "$nproc" ]; then
+  exec python3 python/tests/gpu_test_layer.py --nproc "$nproc"  # prints SKIPPED
+fi
+exec python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+  python/tests/gpu_test_layer.py

@@ -1,0 +1,467 @@
+"""GPU test of the Python binding: epmoe.Layer and epmoe.Dispatcher against a plain PyTorch
+implementation of SPEC.md, on 2 (or more) GPUs of one node, with a CUDA-graph capture.
+
+    torchrun --nproc-per-node 2 python/tests/gpu_test_layer.py
+    python python/tests/gpu_test_layer.py [--nproc 2]      # spawns the ranks itself
+
+Needs torch with CUDA. Without torch or with fewer than 2 GPUs it prints SKIPPED and exits 0.
+The library comes from the installed package, or from $EPMOE_LIBRARY (a prebuilt
+libepmoe_c.so) with python/ put on sys.path by this script. Rank 0 prints one line per check and
+a closing 'N passed, N failed' line; the exit status is nonzero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import traceback
+from pathlib import Path
+
+# Never NVLink multicast on these machines (it can take the host's shared GPUs down). JAX must
+# not grab most of the GPU memory at import.
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false")):
+    os.environ.setdefault(_k, _v)
+
+try:
+    import epmoe  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SCALE_GROUP = 128
+E4M3_MAX = 448.0
+
+
+# ---- the reference: SPEC.md in plain PyTorch --------------------------------------------------------
+
+def quant_1x128(v, pow2: bool):
+    """SPEC step 1 / 5 on the last dimension: per 128-group scale, e4m3 RNE with saturation.
+    Returns the dequantized values (float32)."""
+    import torch
+    shape = v.shape
+    g = v.float().reshape(*shape[:-1], shape[-1] // SCALE_GROUP, SCALE_GROUP)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    s = torch.clamp(amax, min=1e-4) / E4M3_MAX
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    q = torch.clamp(g / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * s).reshape(shape)
+
+
+def reference(cfg, x, idx, wts, w1, w2):
+    """y[T,H] bf16 of SPEC.md. w1 [E, 2I, H] and w2 [E, H, I] are the (dequantized) float64
+    weights of all experts; x bf16, idx int32, wts fp32 are this rank's inputs."""
+    import torch
+    t_count, h = x.shape
+    inter = cfg["intermediate"]
+    fp8 = cfg["dtype"] == "fp8"
+    clamp = cfg.get("activation_clamp") or 0.0
+    xh = quant_1x128(x, False) if fp8 else x.float()
+    acc = torch.zeros(t_count, h, dtype=torch.float32, device=x.device)
+    for e in range(w1.shape[0]):
+        tok, slot = torch.nonzero(idx == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        hid = xh[tok].double() @ w1[e].T                      # [n, 2I], fp64 accumulation
+        gate, up = hid[:, :inter], hid[:, inter:]
+        if clamp > 0:
+            up = up.clamp(-clamp, clamp)
+            gate = gate.clamp(max=clamp)
+        a = (torch.nn.functional.silu(gate) * up).float() * wts[tok, slot][:, None]
+        ah = quant_1x128(a, False) if fp8 else a.bfloat16().float()
+        o = (ah.double() @ w2[e].T).bfloat16()                # [n, H], the vector sent back
+        acc.index_add_(0, tok, o.float())
+    return acc.bfloat16()
+
+
+def make_weights(cfg, gen, device):
+    """All experts' weights, identical on every rank (same seed). Returns (w1_q, w1_s, w2_q, w2_s)
+    in the library's input layout and the dequantized float64 copies for the reference."""
+    import torch
+    e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
+    w1 = torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
+    if cfg["dtype"] == "bf16":
+        w1, w2 = w1.bfloat16(), w2.bfloat16()
+        return (w1.to(device), None, w2.to(device), None), (w1.double().to(device),
+                                                             w2.double().to(device))
+
+    def block_quant(w):  # 128x128 blocks over the last two dims
+        en, rows, cols = w.shape
+        b = w.reshape(en, rows // 128, 128, cols // 128, 128)
+        s = b.abs().amax(dim=(2, 4)).clamp(min=1e-8) / E4M3_MAX  # [E, rows/128, cols/128]
+        q = (b / s[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        deq = (q.float() * s[:, :, None, :, None]).reshape(en, rows, cols)
+        return q.reshape(en, rows, cols), s.float(), deq.double()
+
+    w1q, w1s, w1d = block_quant(w1)
+    w2q, w2s, w2d = block_quant(w2)
+    return ((w1q.to(device), w1s.to(device), w2q.to(device), w2s.to(device)),
+            (w1d.to(device), w2d.to(device)))
+
+
+def make_inputs(cfg, t_count, gen, device, masked_frac=0.15):
+    import torch
+    e, h, k = cfg["num_experts"], cfg["hidden"], cfg["topk"]
+    x = torch.randn(t_count, h, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t_count)]) \
+        if t_count else torch.zeros(0, k, dtype=torch.int64)
+    idx = idx.int()
+    if t_count:
+        idx[torch.rand(t_count, k, generator=gen) < masked_frac] = -1
+    wts = torch.rand(t_count, k, generator=gen).float() + 0.05
+    return x.to(device), idx.to(device), wts.to(device)
+
+
+def rel_err(y, ref):
+    import torch
+    num = torch.linalg.vector_norm((y.float() - ref.float()).double())
+    den = torch.linalg.vector_norm(ref.float().double())
+    return float(num / den) if den > 0 else float(num)
+
+
+# ---- the checks -------------------------------------------------------------------------------------
+
+class Results:
+    def __init__(self, rank):
+        self.rank, self.passed, self.failed, self.skipped = rank, 0, 0, 0
+        self.lines = []
+
+    def record(self, name, ok, detail=""):
+        status = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
+        if ok is True:
+            self.passed += 1
+        elif ok is False:
+            self.failed += 1
+        else:
+            self.skipped += 1
+        self.lines.append(f"[rank {self.rank}] {status} {name} {detail}".rstrip())
+        print(self.lines[-1], flush=True)
+
+
+def agree(flag):
+    """True on every rank only if `flag` is true on every rank (a collective)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([0 if flag else 1], device="cuda")
+    dist.all_reduce(t)
+    return int(t.item()) == 0
+
+
+def check_layer(res, cfg, rank, world, device, paths):
+    import torch
+    import epmoe
+
+    tol = 1e-2 if cfg["dtype"] == "fp8" else 5e-3
+    tag = f"{cfg['dtype']} E={cfg['num_experts']} H={cfg['hidden']} I={cfg['intermediate']} " \
+          f"K={cfg['topk']} clamp={cfg.get('activation_clamp')}"
+    gen_w = torch.Generator().manual_seed(1234)  # same weights on every rank
+    (w1, w1s, w2, w2s), (w1d, w2d) = make_weights(cfg, gen_w, device)
+    e_loc = cfg["num_experts"] // world
+    lo, hi = rank * e_loc, (rank + 1) * e_loc
+
+    layer = epmoe.Layer(None, cfg["num_experts"], cfg["hidden"], cfg["intermediate"], cfg["topk"],
+                        cfg["max_tokens_per_rank"], dtype=cfg["dtype"],
+                        activation_clamp=cfg.get("activation_clamp"))
+    layer.load_weights(w1[lo:hi], None if w1s is None else w1s[lo:hi], w2[lo:hi],
+                       None if w2s is None else w2s[lo:hi])
+    res.record(f"layer create + load_weights ({tag})", True)
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    for path in paths:
+        unsupported = False
+        # Token counts differ per rank; one round has T=0 on rank 0.
+        for t_count in (cfg["max_tokens_per_rank"] - 3 * rank, 0 if rank == 0 else 17,
+                        1 + 5 * rank):
+            x, idx, wts = make_inputs(cfg, t_count, gen, device)
+            y = torch.full((t_count, cfg["hidden"]), float("nan"), dtype=torch.bfloat16,
+                           device=device)
+            err_msg = None
+            try:
+                layer(x, idx, wts, out=y, path=path)
+            except epmoe.UnsupportedError as e:
+                err_msg = str(e)
+            if not agree(err_msg is None):  # the same decision on every rank
+                unsupported = True
+                res.record(f"forward path={path} ({tag})", None,
+                           f"unsupported in this build: {err_msg or 'on a peer'}")
+                break
+            torch.cuda.synchronize()
+            layer.check_device_error()
+            ref = reference(cfg, x, idx, wts, w1d, w2d)
+            finite = bool(torch.isfinite(y.float()).all())
+            err = rel_err(y, ref) if t_count else 0.0
+            res.record(f"forward path={path} T={t_count} ({tag})", finite and err <= tol,
+                       f"rel_err={err:.2e} tol={tol:g} finite={finite}")
+
+        if unsupported:
+            continue
+        # The default: out allocated by the binding, stream from torch.
+        x, idx, wts = make_inputs(cfg, 9, gen, device)
+        y = layer(x, idx, wts, path=path)
+        torch.cuda.synchronize()
+        err = rel_err(y, reference(cfg, x, idx, wts, w1d, w2d))
+        res.record(f"forward out=None path={path}", y.shape == x.shape and err <= tol,
+                   f"rel_err={err:.2e}")
+        check_graph(res, layer, cfg, rank, device, path, tol, w1d, w2d, gen)
+        check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen)
+        check_jax(res, layer, cfg, device, path, tol, w1d, w2d, gen)
+    return layer
+
+
+def check_jax(res, layer, cfg, device, path, tol, w1d, w2d, gen):
+    """JAX arrays as inputs (out is a torch tensor: JAX arrays are immutable)."""
+    import torch
+    try:
+        import jax.numpy as jnp
+    except ImportError:
+        agree(False)
+        res.record(f"jax inputs path={path}", None, "jax not installed")
+        return
+    if not agree(True):
+        return
+    x, idx, wts = make_inputs(cfg, 13, gen, device)
+    torch.cuda.synchronize()
+    try:
+        jx, jidx, jwts = jnp.from_dlpack(x), jnp.from_dlpack(idx), jnp.from_dlpack(wts)
+        problem = None
+    except Exception as e:
+        problem = f"jnp.from_dlpack: {type(e).__name__}: {e}"
+    if not agree(problem is None):  # forward is collective: all ranks call it, or none
+        res.record(f"jax inputs path={path}", False, problem or "a peer could not convert")
+        return
+    y = torch.full_like(x, float("nan"))
+    layer(jx, jidx, jwts, out=y, path=path)
+    torch.cuda.synchronize()
+    err = rel_err(y, reference(cfg, x, idx, wts, w1d, w2d))
+    res.record(f"jax inputs path={path}", err <= tol, f"rel_err={err:.2e}")
+
+
+def check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen):
+    """The same layer fed CuPy arrays (bf16 as int16 bits: CuPy has no bfloat16), out=None."""
+    import torch
+    try:
+        import cupy
+    except ImportError:
+        agree(False)
+        res.record(f"cupy inputs path={path}", None, "cupy not installed")
+        return
+    if not agree(True):
+        return
+    x, idx, wts = make_inputs(cfg, 11, gen, device)
+    torch.cuda.synchronize()
+    with cupy.cuda.Device(device.index):
+        cx = cupy.from_dlpack(x.view(torch.int16))
+        y = layer(cx, cupy.from_dlpack(idx), cupy.from_dlpack(wts), path=path)
+        cupy.cuda.get_current_stream().synchronize()
+    ty = torch.from_dlpack(y).view(torch.bfloat16)
+    err = rel_err(ty, reference(cfg, x, idx, wts, w1d, w2d))
+    res.record(f"cupy inputs, out=None path={path}",
+               isinstance(y, cupy.ndarray) and y.dtype == cupy.int16 and err <= tol,
+               f"rel_err={err:.2e}")
+
+
+def check_graph(res, layer, cfg, rank, device, path, tol, w1d, w2d, gen):
+    """Capture one forward in a CUDA graph, then replay it on new inputs in the same buffers."""
+    import torch
+    t_count = cfg["max_tokens_per_rank"] // 2 + rank
+    x, idx, wts = make_inputs(cfg, t_count, gen, device)
+    y = torch.empty(t_count, cfg["hidden"], dtype=torch.bfloat16, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, on a side stream
+        layer(x, idx, wts, out=y, path=path)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            layer(x, idx, wts, out=y, path=path)
+    except Exception as e:  # report, then keep the ranks in step
+        res.record(f"cuda graph capture path={path}", False, f"{type(e).__name__}: {e}")
+        agree(False)
+        return
+    if not agree(True):
+        return
+    worst, finite = 0.0, True
+    for _ in range(3):
+        nx, nidx, nwts = make_inputs(cfg, t_count, gen, device)
+        x.copy_(nx), idx.copy_(nidx), wts.copy_(nwts)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        finite &= bool(torch.isfinite(y.float()).all())
+        worst = max(worst, rel_err(y, reference(cfg, nx, nidx, nwts, w1d, w2d)))
+    layer.check_device_error()
+    res.record(f"cuda graph replay x3 path={path} T={t_count}", finite and worst <= tol,
+               f"rel_err={worst:.2e} finite={finite}")
+
+
+def check_errors(res, layer, cfg, rank, device, path):
+    """Python-side and device-side errors raise epmoe exceptions with the library's message."""
+    import torch
+    import epmoe
+    h, k = cfg["hidden"], cfg["topk"]
+    x = torch.randn(4, h, device=device).bfloat16()
+    idx = torch.arange(k, dtype=torch.int32, device=device).repeat(4, 1)  # distinct experts
+    wts = torch.ones(4, k, device=device)
+    cases = [
+        ("float32 x", dict(x=x.float()), "x must be bfloat16"),
+        ("host x", dict(x=x.cpu()), "x must be on the CUDA device"),
+        ("int64 topk_idx", dict(idx=idx.long()), "topk_idx must be int32; got int64"),
+        ("non-contiguous x", dict(x=torch.randn(h, 4, device=device).bfloat16().T),
+         "x must be contiguous"),
+        ("too many tokens", dict(x=torch.zeros(cfg["max_tokens_per_rank"] + 1, h, device=device,
+                                               dtype=torch.bfloat16)),
+         "max_tokens_per_rank"),
+    ]
+    for name, over, message in cases:
+        a = dict(x=x, idx=idx, wts=wts)
+        a.update(over)
+        try:
+            layer(a["x"], a["idx"], a["wts"], path=path)
+            res.record(f"error: {name}", False, "no exception")
+        except epmoe.InvalidArgument as e:
+            res.record(f"error: {name}", message in str(e), f"-> {e}")
+    # An expert index out of range is seen on the GPU: the call itself returns, the next
+    # check_device_error() raises. Rank 0 sends the bad index; every rank takes part.
+    bad = idx.clone()
+    if rank == 0:
+        bad[1, 0] = cfg["num_experts"] + 3
+    layer(x, bad, wts, path=path)
+    try:
+        layer.check_device_error()
+        raised = None
+    except epmoe.Error as e:
+        raised = e
+    if rank == 0:
+        res.record("error: expert index out of range (device-side)", raised is not None,
+                   f"-> {type(raised).__name__}: {raised}" if raised else "no exception")
+    agree(True)
+
+
+def check_dispatcher(res, rank, world, device):
+    """Standalone dispatch / combine with a trivial expert (o = routing weight * x)."""
+    import torch
+    import epmoe
+    e, h, k, t_max = 4 * world, 256, 3, 64
+    disp = epmoe.Dispatcher(None, e, h, k, t_max, dtype="bf16")
+    gen = torch.Generator().manual_seed(7 + rank)
+    cfg = dict(num_experts=e, hidden=h, topk=k)
+    x, idx, wts = make_inputs(cfg, t_max - 5 * rank, gen, device)
+    disp.dispatch(x, idx, wts)
+    pool = {name: torch.from_dlpack(a) for name, a in disp.pool.items()}
+    valid = (pool["row_source"] != -1)[:, None]
+    o = (pool["x_pool"].float() * pool["row_weight"][:, None]).bfloat16()
+    pool["o_pool"].copy_(torch.where(valid, o, torch.zeros_like(o)))
+    y = torch.full_like(x, float("nan"))
+    disp.combine(y)
+    torch.cuda.synchronize()
+    disp.check_errors()
+    contrib = (x.float()[:, None, :] * wts[:, :, None]).bfloat16().float()
+    contrib = torch.where((idx >= 0)[:, :, None], contrib, torch.zeros_like(contrib))
+    ref = contrib.sum(dim=1).bfloat16()
+    err = rel_err(y, ref)
+    rows = int(pool["expert_offset"][-1].item())
+    res.record(f"dispatcher bf16 dispatch -> o_pool (torch via DLPack) -> combine T={x.shape[0]}",
+               bool(torch.isfinite(y.float()).all()) and err <= 5e-3,
+               f"rel_err={err:.2e} pool_rows={rows}")
+
+
+def run(rank, world, local_rank):
+    import torch
+    import torch.distributed as dist
+    import epmoe
+
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    device = torch.device("cuda", local_rank)
+    res = Results(rank)
+    if rank == 0:
+        print(f"epmoe {epmoe.version()} from {epmoe.library_path()}, NCCL code "
+              f"{epmoe.nccl_version()}, torch {torch.__version__}, {world} ranks", flush=True)
+    paths = [p for p in os.environ.get("EPMOE_TEST_PATHS", "pipeline,fused").split(",") if p]
+    configs = [
+        dict(dtype="fp8", num_experts=4 * world, hidden=256, intermediate=256, topk=4,
+             max_tokens_per_rank=96),
+        dict(dtype="bf16", num_experts=2 * world, hidden=384, intermediate=128, topk=2,
+             max_tokens_per_rank=64, activation_clamp=0.5),
+    ]
+    steps = [(f"layer {c['dtype']}", lambda c=c: check_layer(res, c, rank, world, device, paths))
+             for c in configs]
+    layer_holder = {}
+    for name, step in steps:
+        try:
+            layer_holder["last"] = step()
+        except Exception as e:
+            res.record(name, False, f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+    if "last" in layer_holder:
+        try:
+            check_errors(res, layer_holder["last"], configs[-1], rank, device, "pipeline")
+        except Exception as e:
+            res.record("errors", False, f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+    try:
+        check_dispatcher(res, rank, world, device)
+    except Exception as e:
+        res.record("dispatcher", False, f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+
+    totals = torch.tensor([res.passed, res.failed, res.skipped], device=device)
+    dist.all_reduce(totals)
+    dist.barrier()
+    if rank == 0:
+        p, f, s = (int(v) for v in totals.tolist())
+        print(f"gpu_test_layer: {p} passed, {f} failed, {s} skipped", flush=True)
+    failed = int(totals[1].item())
+    dist.destroy_process_group()
+    return failed
+
+
+def _spawned(local_rank, world, port):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if run(local_rank, world, local_rank):
+        sys.exit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
+    ap.add_argument("--timeout", type=float, default=300, help="abort after this many seconds")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
+    try:
+        import torch
+    except ImportError:
+        print("SKIPPED: torch is not installed")
+        return 0
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        print(f"SKIPPED: needs 2 GPUs, found {n}")
+        return 0
+    if "RANK" in os.environ:  # under torchrun
+        return 1 if run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                        int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))) else 0
+    import socket
+    import torch.multiprocessing as mp
+    world = min(args.nproc, torch.cuda.device_count())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_spawned, args=(world, port), nprocs=world, join=True)
+    except mp.ProcessRaisedException as e:
+        print(f"FAILED: {e}")
+        return 1
+    except mp.ProcessExitedException as e:
+        print(f"FAILED: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

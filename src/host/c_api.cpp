@@ -1,0 +1,559 @@
+// The C interface of include/epmoe/c_api.h: thin wrappers that convert arguments, make the
+// communicator's device current, call the C++ API and turn its Status into a code plus a
+// thread-local message.
+#include "epmoe/c_api.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "epmoe/comm.h"
+#include "epmoe/config.h"
+#include "epmoe/dispatch.h"
+#include "epmoe/layer.h"
+#include "epmoe/status.h"
+#include "epmoe/version.h"
+#include "host/check.h"
+
+// Why these switches: the C API was written against comm.h and layer.h before their
+// implementations landed. python/CMakeLists.txt defines each one when a source under src/ defines
+// the matching factory; without it the C functions that need it return EPMOE_UNSUPPORTED, and
+// libepmoe_c.so still links with no undefined symbol.
+#ifndef EPMOE_C_HAVE_COMM
+#define EPMOE_C_HAVE_COMM 0
+#endif
+#ifndef EPMOE_C_HAVE_LAYER
+#define EPMOE_C_HAVE_LAYER 0
+#endif
+#ifndef EPMOE_C_HAVE_DISPATCH
+#define EPMOE_C_HAVE_DISPATCH 0
+#endif
+
+static_assert(sizeof(ncclUniqueId) == EPMOE_UNIQUE_ID_BYTES, "EPMOE_UNIQUE_ID_BYTES != sizeof(ncclUniqueId)");
+static_assert(EPMOE_INVALID_ARGUMENT == int(epmoe::StatusCode::kInvalidArgument) &&
+                  EPMOE_INTERNAL == int(epmoe::StatusCode::kInternal),
+              "C status codes must equal epmoe::StatusCode");
+static_assert(EPMOE_DTYPE_FP8 == int(epmoe::DType::kFP8) && EPMOE_DTYPE_BF16 == int(epmoe::DType::kBF16),
+              "C dtype codes must equal epmoe::DType");
+static_assert(EPMOE_PATH_PIPELINE == int(epmoe::Path::kPipeline) && EPMOE_PATH_FUSED == int(epmoe::Path::kFused),
+              "C path codes must equal epmoe::Path");
+
+struct epmoe_comm {
+  epmoe::Communicator* comm = nullptr;  // owned; the NCCL comm inside may be borrowed (wrap)
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+};
+
+struct epmoe_dispatch {
+  epmoe::DispatchHandle* handle = nullptr;  // owned
+  epmoe_comm* comm = nullptr;               // borrowed; must outlive the handle
+};
+
+struct epmoe_layer {
+  epmoe::MoELayer* layer = nullptr;  // owned
+  epmoe_comm* comm = nullptr;        // borrowed; must outlive the layer
+  epmoe::LayerConfig cfg;
+};
+
+namespace {
+
+using epmoe::Status;
+using epmoe::StatusCode;
+using epmoe::detail::invalid;
+
+thread_local std::string t_last_error;
+
+int record(const Status& st) {
+  if (st.ok()) return EPMOE_OK;
+  t_last_error = st.message();
+  return static_cast<int>(st.code());
+}
+
+// Runs `body` (returning Status); no C++ exception crosses the C boundary.
+template <class Body>
+int guarded(Body&& body) {
+  try {
+    return record(body());
+  } catch (const std::exception& e) {
+    return record(Status(StatusCode::kInternal, std::string("unexpected C++ exception: ") + e.what()));
+  } catch (...) {
+    return record(Status(StatusCode::kInternal, "unexpected non-standard C++ exception"));
+  }
+}
+
+[[maybe_unused]] Status unsupported_until(const char* what) {
+  return Status(StatusCode::kUnsupported,
+                std::string(what) + " is not in this build of libepmoe_c (its implementation had not "
+                "landed when the library was configured); rebuild after it does");
+}
+
+// Makes `device` current for one call and restores the caller's device afterwards (the caller is
+// often a framework with its own notion of the current device).
+class DeviceGuard {
+ public:
+  Status enter(int device) {
+    EPMOE_CUDA_RETURN(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      EPMOE_CUDA_RETURN(cudaSetDevice(device));
+      changed_ = true;
+    }
+    return Status::Ok();
+  }
+  ~DeviceGuard() {
+    if (changed_) (void)cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+  bool changed_ = false;
+};
+
+Status to_config(const epmoe_layer_config* c, epmoe::LayerConfig* out) {
+  if (!c) return invalid("config is null");
+  if (c->dtype != EPMOE_DTYPE_FP8 && c->dtype != EPMOE_DTYPE_BF16)
+    return invalid("dtype=", c->dtype, " must be EPMOE_DTYPE_FP8 (0) or EPMOE_DTYPE_BF16 (1)");
+  out->num_ranks = c->num_ranks;
+  out->num_experts = c->num_experts;
+  out->hidden = c->hidden;
+  out->intermediate = c->intermediate;
+  out->topk = c->topk;
+  out->max_tokens_per_rank = c->max_tokens_per_rank;
+  out->dtype = static_cast<epmoe::DType>(c->dtype);
+  out->activation_clamp = c->activation_clamp;
+  out->pow2_scales = c->pow2_scales != 0;
+  return Status::Ok();
+}
+
+void from_config(const epmoe::LayerConfig& c, epmoe_layer_config* out) {
+  out->num_ranks = c.num_ranks;
+  out->num_experts = c.num_experts;
+  out->hidden = c.hidden;
+  out->intermediate = c.intermediate;
+  out->topk = c.topk;
+  out->max_tokens_per_rank = c.max_tokens_per_rank;
+  out->dtype = static_cast<int32_t>(c.dtype);
+  out->activation_clamp = c.activation_clamp;
+  out->pow2_scales = c.pow2_scales ? 1 : 0;
+}
+
+Status check_device_index(int device) {
+  int count = 0;
+  EPMOE_CUDA_RETURN(cudaGetDeviceCount(&count));
+  if (device < 0 || device >= count)
+    return invalid("device=", device, " must be in [0, ", count, ") (visible CUDA devices)");
+  return Status::Ok();
+}
+
+Status to_dispatch_config(const epmoe_dispatch_config* c, epmoe::DispatchConfig* out) {
+  if (!c) return invalid("config is null");
+  if (c->dtype != EPMOE_DTYPE_FP8 && c->dtype != EPMOE_DTYPE_BF16)
+    return invalid("dtype=", c->dtype, " must be EPMOE_DTYPE_FP8 (0) or EPMOE_DTYPE_BF16 (1)");
+  if (c->combine_partials != EPMOE_PARTIALS_FP32 && c->combine_partials != EPMOE_PARTIALS_BF16)
+    return invalid("combine_partials=", c->combine_partials,
+                   " must be EPMOE_PARTIALS_FP32 (0) or EPMOE_PARTIALS_BF16 (1)");
+  out->num_experts = c->num_experts;
+  out->hidden = c->hidden;
+  out->topk = c->topk;
+  out->max_tokens_per_rank = c->max_tokens_per_rank;
+  out->row_align = c->row_align;
+  out->intermediate = c->intermediate;
+  out->dtype = static_cast<epmoe::DType>(c->dtype);
+  out->pow2_scales = c->pow2_scales != 0;
+  out->combine_partials = c->combine_partials == EPMOE_PARTIALS_BF16
+                              ? epmoe::PartialPrecision::kBFloat16
+                              : epmoe::PartialPrecision::kFloat32;
+  out->num_blocks = c->num_blocks;
+  out->timeout_seconds = c->timeout_seconds;
+  return Status::Ok();
+}
+
+Status check_dispatch(const epmoe_dispatch* h) {
+  if (!h || !h->handle) return invalid("dispatch handle is null (destroyed or never created)");
+  return Status::Ok();
+}
+
+Status check_layer(const epmoe_layer* layer) {
+  if (!layer || !layer->layer) return invalid("layer is null (destroyed or never created)");
+  return Status::Ok();
+}
+
+#if EPMOE_C_HAVE_COMM
+Status fill_comm(std::unique_ptr<epmoe::Communicator> c, epmoe_comm** out) {
+  auto wrapper = std::make_unique<epmoe_comm>();
+  wrapper->rank = c->rank();
+  wrapper->size = c->size();
+  wrapper->device = c->device();
+  wrapper->comm = c.release();
+  *out = wrapper.release();
+  return Status::Ok();
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// ---- library ------------------------------------------------------------------------------------
+
+int epmoe_c_api_version(void) { return EPMOE_C_API_VERSION; }
+
+const char* epmoe_version_string(void) { return epmoe::version_string(); }
+
+const char* epmoe_status_name(int status) {
+  if (status < EPMOE_OK || status > EPMOE_INTERNAL) return "Unknown";
+  return epmoe::status_code_name(static_cast<StatusCode>(status));
+}
+
+const char* epmoe_last_error(void) { return t_last_error.c_str(); }
+
+int epmoe_nccl_runtime_version(int* version_code) {
+  return guarded([&] { return epmoe::check_nccl_runtime_version(version_code); });
+}
+
+// ---- validation ---------------------------------------------------------------------------------
+
+int epmoe_validate_config(const epmoe_layer_config* cfg) {
+  return guarded([&] {
+    epmoe::LayerConfig c;
+    EPMOE_RETURN_IF_ERROR(to_config(cfg, &c));
+    return epmoe::validate(c);
+  });
+}
+
+int epmoe_validate_call(const epmoe_layer_config* cfg, int64_t num_tokens, const void* x,
+                        const void* topk_idx, const void* topk_weights, const void* y) {
+  return guarded([&] {
+    epmoe::LayerConfig c;
+    EPMOE_RETURN_IF_ERROR(to_config(cfg, &c));
+    return epmoe::validate_call(c, num_tokens, x, topk_idx, topk_weights, y);
+  });
+}
+
+int epmoe_validate_routing_host(const epmoe_layer_config* cfg, int64_t num_tokens,
+                                const int32_t* topk_idx) {
+  return guarded([&] {
+    epmoe::LayerConfig c;
+    EPMOE_RETURN_IF_ERROR(to_config(cfg, &c));
+    return epmoe::validate_routing_host(c, num_tokens, topk_idx);
+  });
+}
+
+// ---- communicator -------------------------------------------------------------------------------
+
+int epmoe_get_unique_id(uint8_t* out) {
+  return guarded([&]() -> Status {
+    if (!out) return invalid("out is null");
+    EPMOE_RETURN_IF_ERROR(epmoe::check_nccl_runtime_version());
+    ncclUniqueId id;
+    EPMOE_NCCL_RETURN(ncclGetUniqueId(&id));
+    std::memcpy(out, &id, sizeof(id));
+    return Status::Ok();
+  });
+}
+
+int epmoe_comm_create(const uint8_t* unique_id, int rank, int size, int device, epmoe_comm** out) {
+  return guarded([&]() -> Status {
+    if (!out) return invalid("out is null");
+    *out = nullptr;
+    if (!unique_id) return invalid("unique_id is null");
+    if (size < 1 || size > epmoe::kMaxCommRanks)
+      return invalid("size=", size, " must be in [1, ", epmoe::kMaxCommRanks, "]");
+    if (rank < 0 || rank >= size) return invalid("rank=", rank, " must be in [0, size=", size, ")");
+    EPMOE_RETURN_IF_ERROR(epmoe::check_nccl_runtime_version());
+    EPMOE_RETURN_IF_ERROR(check_device_index(device));
+#if EPMOE_C_HAVE_COMM
+    ncclUniqueId id;
+    std::memcpy(&id, unique_id, sizeof(id));
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(device));
+    std::unique_ptr<epmoe::Communicator> c;
+    EPMOE_RETURN_IF_ERROR(epmoe::Communicator::create(id, rank, size, &c));
+    return fill_comm(std::move(c), out);
+#else
+    return unsupported_until("epmoe::Communicator");
+#endif
+  });
+}
+
+int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out) {
+  return guarded([&]() -> Status {
+    if (!out) return invalid("out is null");
+    *out = nullptr;
+    if (nccl_comm == 0) return invalid("nccl_comm is null");
+    EPMOE_RETURN_IF_ERROR(epmoe::check_nccl_runtime_version());
+#if EPMOE_C_HAVE_COMM
+    auto comm = reinterpret_cast<ncclComm_t>(nccl_comm);
+    int device = -1;
+    EPMOE_NCCL_RETURN(ncclCommCuDevice(comm, &device));
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(device));
+    std::unique_ptr<epmoe::Communicator> c;
+    EPMOE_RETURN_IF_ERROR(epmoe::Communicator::wrap(comm, &c));
+    return fill_comm(std::move(c), out);
+#else
+    return unsupported_until("epmoe::Communicator");
+#endif
+  });
+}
+
+int epmoe_comm_info(const epmoe_comm* comm, int* rank, int* size, int* device) {
+  return guarded([&]() -> Status {
+    if (!comm) return invalid("comm is null");
+    if (rank) *rank = comm->rank;
+    if (size) *size = comm->size;
+    if (device) *device = comm->device;
+    return Status::Ok();
+  });
+}
+
+int epmoe_comm_destroy(epmoe_comm* comm) {
+  return guarded([&]() -> Status {
+    if (!comm) return Status::Ok();
+    std::unique_ptr<epmoe_comm> owned(comm);
+#if EPMOE_C_HAVE_COMM
+    if (owned->comm) {
+      DeviceGuard guard;
+      Status st = guard.enter(owned->device);  // free even if the device switch failed
+      delete owned->comm;
+      return st;
+    }
+#endif
+    return Status::Ok();
+  });
+}
+
+// ---- layer --------------------------------------------------------------------------------------
+
+int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg, epmoe_layer** out) {
+  return guarded([&]() -> Status {
+    if (!out) return invalid("out is null");
+    *out = nullptr;
+    if (!comm || !comm->comm) return invalid("comm is null");
+    epmoe::LayerConfig c;
+    EPMOE_RETURN_IF_ERROR(to_config(cfg, &c));
+    if (c.num_ranks == 0) c.num_ranks = comm->size;
+    if (c.num_ranks != comm->size)
+      return invalid("num_ranks=", c.num_ranks, " does not match the communicator's size=", comm->size);
+    EPMOE_RETURN_IF_ERROR(epmoe::validate(c));
+#if EPMOE_C_HAVE_LAYER
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
+    std::unique_ptr<epmoe::MoELayer> layer;
+    EPMOE_RETURN_IF_ERROR(epmoe::MoELayer::create(*comm->comm, c, &layer));
+    auto wrapper = std::make_unique<epmoe_layer>();
+    wrapper->layer = layer.release();
+    wrapper->comm = comm;
+    wrapper->cfg = c;
+    *out = wrapper.release();
+    return Status::Ok();
+#else
+    return unsupported_until("epmoe::MoELayer");
+#endif
+  });
+}
+
+int epmoe_layer_get_config(const epmoe_layer* layer, epmoe_layer_config* cfg) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_layer(layer));
+    if (!cfg) return invalid("cfg is null");
+    from_config(layer->cfg, cfg);
+    return Status::Ok();
+  });
+}
+
+int epmoe_layer_load_weights(epmoe_layer* layer, const void* w1, const float* w1_scale,
+                             const void* w2, const float* w2_scale, int on_device, void* stream) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_layer(layer));
+    if (!w1) return invalid("w1 is null");
+    if (!w2) return invalid("w2 is null");
+    const bool fp8 = layer->cfg.dtype == epmoe::DType::kFP8;
+    if (fp8 && (!w1_scale || !w2_scale))
+      return invalid("w1_scale and w2_scale are required in FP8 mode");
+    if (!fp8 && (w1_scale || w2_scale))
+      return invalid("w1_scale and w2_scale must be null in BF16 mode");
+    epmoe::ExpertWeights w;
+    w.w1 = w1;
+    w.w1_scale = w1_scale;
+    w.w2 = w2;
+    w.w2_scale = w2_scale;
+    w.on_device = on_device != 0;
+#if EPMOE_C_HAVE_LAYER
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
+    return layer->layer->load_weights(w, static_cast<cudaStream_t>(stream));
+#else
+    (void)stream;
+    return unsupported_until("epmoe::MoELayer");
+#endif
+  });
+}
+
+int epmoe_layer_forward(epmoe_layer* layer, const void* x, const int32_t* topk_idx,
+                        const float* topk_weights, void* y, int64_t num_tokens, void* stream,
+                        int path) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_layer(layer));
+    if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED)
+      return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0) or EPMOE_PATH_FUSED (1)");
+    EPMOE_RETURN_IF_ERROR(epmoe::validate_call(layer->cfg, num_tokens, x, topk_idx, topk_weights, y));
+#if EPMOE_C_HAVE_LAYER
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
+    return layer->layer->forward(x, topk_idx, topk_weights, y, num_tokens,
+                                 static_cast<cudaStream_t>(stream), static_cast<epmoe::Path>(path));
+#else
+    (void)stream;
+    return unsupported_until("epmoe::MoELayer");
+#endif
+  });
+}
+
+int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_layer(layer));
+#if EPMOE_C_HAVE_LAYER
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
+    return layer->layer->check_device_error(static_cast<cudaStream_t>(stream));
+#else
+    (void)stream;
+    return unsupported_until("epmoe::MoELayer");
+#endif
+  });
+}
+
+int epmoe_layer_destroy(epmoe_layer* layer) {
+  return guarded([&]() -> Status {
+    if (!layer) return Status::Ok();
+    std::unique_ptr<epmoe_layer> owned(layer);
+#if EPMOE_C_HAVE_LAYER
+    if (owned->layer) {
+      DeviceGuard guard;
+      Status st = guard.enter(owned->comm->device);  // free even if the device switch failed
+      delete owned->layer;
+      return st;
+    }
+#endif
+    return Status::Ok();
+  });
+}
+
+// ---- standalone dispatch / combine ---------------------------------------------------------------
+
+int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg, epmoe_dispatch** out) {
+  return guarded([&]() -> Status {
+    if (!out) return invalid("out is null");
+    *out = nullptr;
+    if (!comm || !comm->comm) return invalid("comm is null");
+    epmoe::DispatchConfig c;
+    EPMOE_RETURN_IF_ERROR(to_dispatch_config(cfg, &c));
+#if EPMOE_C_HAVE_DISPATCH
+    EPMOE_RETURN_IF_ERROR(epmoe::DispatchHandle::validate(*comm->comm, c));
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
+    std::unique_ptr<epmoe::DispatchHandle> handle;
+    EPMOE_RETURN_IF_ERROR(epmoe::DispatchHandle::create(*comm->comm, c, &handle));
+    auto wrapper = std::make_unique<epmoe_dispatch>();
+    wrapper->handle = handle.release();
+    wrapper->comm = comm;
+    *out = wrapper.release();
+    return Status::Ok();
+#else
+    return unsupported_until("epmoe::DispatchHandle");
+#endif
+  });
+}
+
+int epmoe_dispatch_get_pool(const epmoe_dispatch* h, epmoe_pool_view* view) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_dispatch(h));
+    if (!view) return invalid("view is null");
+#if EPMOE_C_HAVE_DISPATCH
+    const epmoe::ExpertPoolView p = h->handle->pool();
+    view->base = p.base;
+    view->bytes = p.bytes;
+    view->max_rows = p.max_rows;
+    view->scale_stride = p.scale_stride;
+    view->x_pool = p.x_pool;
+    view->x_scale = p.x_scale;
+    view->row_weight = p.row_weight;
+    view->row_source = p.row_source;
+    view->a_pool = p.a_pool;
+    view->a_scale = p.a_scale;
+    view->o_pool = p.o_pool;
+    view->expert_count = p.expert_count;
+    view->expert_offset = p.expert_offset;
+    return Status::Ok();
+#else
+    return unsupported_until("epmoe::DispatchHandle");
+#endif
+  });
+}
+
+int epmoe_dispatch_run(epmoe_dispatch* h, const void* x, const int32_t* topk_idx,
+                       const float* topk_weights, int64_t num_tokens, void* stream) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_dispatch(h));
+#if EPMOE_C_HAVE_DISPATCH
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
+    return h->handle->dispatch(x, topk_idx, topk_weights, num_tokens,
+                               static_cast<cudaStream_t>(stream));
+#else
+    (void)x, (void)topk_idx, (void)topk_weights, (void)num_tokens, (void)stream;
+    return unsupported_until("epmoe::DispatchHandle");
+#endif
+  });
+}
+
+int epmoe_combine_run(epmoe_dispatch* h, void* y, int64_t num_tokens, void* stream) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_dispatch(h));
+#if EPMOE_C_HAVE_DISPATCH
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
+    return h->handle->combine(y, num_tokens, static_cast<cudaStream_t>(stream));
+#else
+    (void)y, (void)num_tokens, (void)stream;
+    return unsupported_until("epmoe::DispatchHandle");
+#endif
+  });
+}
+
+int epmoe_dispatch_check_errors(epmoe_dispatch* h, void* stream) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_dispatch(h));
+#if EPMOE_C_HAVE_DISPATCH
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
+    return h->handle->check_errors(static_cast<cudaStream_t>(stream));
+#else
+    (void)stream;
+    return unsupported_until("epmoe::DispatchHandle");
+#endif
+  });
+}
+
+int epmoe_dispatch_destroy(epmoe_dispatch* h) {
+  return guarded([&]() -> Status {
+    if (!h) return Status::Ok();
+    std::unique_ptr<epmoe_dispatch> owned(h);
+#if EPMOE_C_HAVE_DISPATCH
+    if (owned->handle) {
+      DeviceGuard guard;
+      Status st = guard.enter(owned->comm->device);  // free even if the device switch failed
+      delete owned->handle;
+      return st;
+    }
+#endif
+    return Status::Ok();
+  });
+}
+
+}  // extern "C"
