@@ -1,0 +1,54 @@
+// epmoe: a small multi-process launcher (one process per GPU) for tests, benchmarks and users
+// without torchrun/mpirun.
+#pragma once
+
+#include <nccl.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "epmoe/status.h"
+
+namespace epmoe {
+
+/// What each rank's function receives.
+struct RankContext {
+  int rank = 0;
+  int size = 0;
+  ncclUniqueId id{};  ///< created once in the parent, the same in every rank
+};
+
+struct LaunchOptions {
+  int num_ranks = 2;
+  double timeout_seconds = 300.0;  ///< the whole run; ranks still running then are killed
+  bool set_device = true;          ///< cudaSetDevice(rank) in each child before calling fn
+};
+
+struct RankOutcome {
+  int rank = 0;
+  bool finished = false;  ///< exited on its own (not killed by the launcher)
+  int exit_code = -1;     ///< 0 = success
+  int signal = 0;         ///< the signal that ended it, if any
+  std::string message;    ///< its Status message (or what went wrong)
+};
+
+struct LaunchResult {
+  bool ok = false;
+  std::string message;  ///< empty when ok; else the first failing rank's message, then the others'
+  std::vector<RankOutcome> ranks;
+};
+
+/// Forks `num_ranks` processes before any CUDA call in this process, runs `fn` in each and collects
+/// the results. The parent never touches CUDA (it must not have, either: CUDA is not fork-safe).
+/// A rank that fails, crashes or outlives the time limit fails the run with its message, and every
+/// other rank is then killed and reaped: no process is left behind.
+LaunchResult launch_ranks(const LaunchOptions& opts, const std::function<Status(const RankContext&)>& fn);
+
+/// Visible CUDA devices, counted in a forked child so this process stays CUDA-free. 0 without a driver.
+int probe_gpu_count();
+
+/// Reads "--ranks N" / "--ranks=N" from args (default when absent); -1 on a malformed value.
+int parse_ranks_flag(const std::vector<std::string>& args, int default_ranks);
+
+}  // namespace epmoe

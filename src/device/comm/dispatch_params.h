@@ -1,0 +1,50 @@
+// Kernel parameters of the standalone dispatch and combine, shared by the host launcher and the
+// kernels, plus the launch entry points (defined next to each kernel).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "device/comm/peers.h"
+#include "device/layout/comm_layout.h"
+#include "device/layout/expert_pool.h"
+
+namespace epmoe::comm {
+
+// Rows of the pool that no (token, slot) fills (segment padding) carry this source word.
+inline constexpr uint32_t kInvalidRowSource = 0xFFFFFFFFu;
+
+struct DispatchParams {
+  layout::CommShape shape;
+  int rank;
+  const uint16_t* x;         // [T][H] bf16
+  const int32_t* topk_idx;   // [T][K]
+  const float* topk_w;       // [T][K]
+  int num_tokens;            // T of this rank
+  char* pool;                // laid out by pool_layout
+  layout::ExpertPoolLayout pool_layout;
+  PeerPtrs sym;              // the symmetric allocation on every rank (sym.ptr[rank] is ours)
+  char* local_ws;            // CommLocalLayout
+  bool pow2_scales;
+  uint64_t timeout_ns;
+};
+
+struct CombineParams {
+  layout::CommShape shape;
+  int rank;
+  const char* pool;          // reads o_pool
+  layout::ExpertPoolLayout pool_layout;
+  uint16_t* y;               // [T][H] bf16, T of the matching dispatch
+  PeerPtrs sym;
+  char* local_ws;
+  uint64_t timeout_ns;
+};
+
+inline constexpr int kCommThreads = 512;
+
+// Both launch cooperatively (every block co-resident: the kernels spin on each other).
+cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream);
+cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream);
+
+}  // namespace epmoe::comm

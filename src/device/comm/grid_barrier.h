@@ -1,0 +1,50 @@
+// A barrier across all blocks of a co-resident (cooperatively launched) grid.
+#pragma once
+
+#include <cstdint>
+
+#include "device/comm/ptx_sync.h"
+#include "device/comm/wait.h"
+
+namespace epmoe::comm {
+
+// `counter` is one zero-initialised word per kernel that uses it, never reset afterwards.
+// Why the flip bit: block 0 adds 0x80000000 - (n - 1) and every other block adds 1, so the top bit
+// flips exactly when all n blocks have arrived and the low bits return to where they were. No reset
+// is needed between barriers or between calls, and grids of different sizes may share the word.
+__device__ __forceinline__ void grid_barrier(uint32_t* counter, const WaitSite& site) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t n = gridDim.x;
+    const uint32_t add = blockIdx.x == 0 ? 0x80000000u - (n - 1) : 1u;
+    // Why sys: a later release by one block towards a peer GPU must cover the writes of every block.
+    fence_acq_rel_sys();
+    const uint32_t old = atom_add_acq_rel_gpu(counter, add);
+    uint32_t seen = ld_acquire_gpu(counter);
+    if (((seen ^ old) & 0x80000000u) == 0) {
+      const uint64_t start = globaltimer_ns();
+      while ((((seen = ld_acquire_gpu(counter)) ^ old) & 0x80000000u) == 0) {
+        if (globaltimer_ns() - start > site.timeout_ns)
+          wait_timed_out(site, "grid_barrier", int(n), (old & 0x80000000u) ? 0 : 0x80000000u, seen);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// The last block to call this (per kernel launch) gets true; the counter is left at zero for the next
+// launch. Every block's earlier writes, remote ones included, are visible to the last block.
+__device__ __forceinline__ bool arrive_is_last_block(uint32_t* counter) {
+  __shared__ bool is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    const uint32_t old = atom_add_acq_rel_gpu(counter, 1u);
+    is_last = old == gridDim.x - 1;
+    if (is_last) *counter = 0;  // Why plain: every other block has arrived and will not touch it again
+  }
+  __syncthreads();
+  return is_last;
+}
+
+}  // namespace epmoe::comm

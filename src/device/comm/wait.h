@@ -1,0 +1,46 @@
+// Bounded spin-waits. A peer that never arrives must not hang the job: after the timeout the waiter
+// prints who waited on what (rank, block, flag, expected, seen), records kStatusTimeout and traps,
+// which fails the launch with an error the host sees at its next synchronization.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include "device/comm/ptx_sync.h"
+#include "device/comm/status_bits.h"
+
+namespace epmoe::comm {
+
+// Who is waiting: carried into the diagnostic.
+struct WaitSite {
+  int rank;
+  uint64_t timeout_ns;
+  uint32_t* status;  // the device status word; may be null
+};
+
+[[noreturn]] __device__ __noinline__ inline void wait_timed_out(const WaitSite& site, const char* flag, int index,
+                                                                 uint64_t expected, uint64_t seen) {
+  if (site.status) red_or_relaxed_gpu(site.status, kStatusTimeout);
+  printf("[epmoe] TIMEOUT rank %d block %d thread %d: flag %s[%d] expected >= %llu, seen %llu after %llu ms\n",
+         site.rank, int(blockIdx.x), int(threadIdx.x), flag, index, (unsigned long long)expected,
+         (unsigned long long)seen, (unsigned long long)(site.timeout_ns / 1000000ull));
+  trap();
+  __builtin_unreachable();
+}
+
+// Waits until *p >= expected with system-scope acquire (the writer is on another GPU).
+// Why relaxed polling: an acquire on every iteration orders (and stalls) the waiting SM's other
+// memory traffic; polling relaxed and acquiring once when the value has arrived does not. Flags
+// only grow, so the final acquire load still sees >= expected.
+__device__ __forceinline__ uint64_t wait_geq_acquire_sys(const WaitSite& site, const uint64_t* p, uint64_t expected,
+                                                         const char* flag, int index) {
+  uint64_t seen = ld_acquire_sys(p);
+  if (seen >= expected) return seen;
+  const uint64_t start = globaltimer_ns();
+  while ((seen = ld_relaxed_sys(p)) < expected) {
+    if (globaltimer_ns() - start > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen);
+  }
+  return ld_acquire_sys(p);
+}
+
+}  // namespace epmoe::comm

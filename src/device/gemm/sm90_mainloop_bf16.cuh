@@ -1,0 +1,68 @@
+// BF16 mainloop of one math warpgroup: 64 rows x 256 columns of D over the whole K, accumulated
+// in fp32 by the tensor cores directly (no scales, no promotion), one m64n256k16 per K step.
+#pragma once
+
+#include <cstdint>
+
+#include "device/gemm/sm90_gemm_params.h"
+#include "device/gemm/sm90_smem_desc.cuh"
+#include "device/pipeline/sm90_tma_pipeline.cuh"
+#include "device/ptx/wgmma.cuh"
+
+namespace epmoe::gemm {
+
+template <int kStages, class Layout>
+struct Sm90Bf16Mainloop {
+  static constexpr int kBlockK = 64;  // bf16 elements per 128-byte row
+  static constexpr int kWgmmaK = 16;
+  static_assert(kBlockN == 256, "one m64n256 wgmma covers the tile's N");
+  using Pipe = pipeline::TmaPipeline<kStages>;
+  using State = pipeline::PipelineState<kStages>;
+
+  // after_release() runs on every thread of the warpgroup right after it released a stage (the
+  // kernel refills stages from there). Returns false when a stage never arrived (the bounded
+  // wait expired); st then names it.
+  template <class AfterRelease>
+  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, uint8_t* smem, int num_k_blocks,
+                             const float* const (&)[2], int wg, AfterRelease&& after_release) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    ptx::fence_operands(acc);
+
+    // Why a one-behind release: wait_group<1> lets block kb's wgmmas run while this warp
+    // already waits for stage kb+1; stage kb-1 is then known to be read and goes back.
+    State prev = st;
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      if (!pipe.consumer_wait(st)) {
+        ptx::wgmma_wait_group_sync_aligned<0>();
+        return false;
+      }
+      const uint64_t da =
+          smem_desc_kmajor_sw128(smem + Layout::a_offset(st.index) + wg * kWarpgroupM * Layout::kRowBytes);
+      const uint64_t db = smem_desc_kmajor_sw128(smem + Layout::b_offset(st.index));
+      ptx::wgmma_fence_sync_aligned();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
+        ptx::wgmma_m64n256k16_f32_bf16_bf16(acc, smem_desc_advance_k(da, k * kWgmmaK * 2),
+                                            smem_desc_advance_k(db, k * kWgmmaK * 2), 1u);
+      ptx::wgmma_commit_group_sync_aligned();
+      ptx::wgmma_wait_group_sync_aligned<1>();
+      if (kb > 0) {
+        if (lane == 0) pipe.consumer_release(prev);
+        after_release();
+        ++prev;
+      }
+      ++st;
+    }
+    ptx::wgmma_wait_group_sync_aligned<0>();
+    ptx::fence_operands(acc);
+    if (num_k_blocks > 0) {
+      if (lane == 0) pipe.consumer_release(prev);
+      after_release();
+    }
+    return true;
+  }
+};
+
+}  // namespace epmoe::gemm

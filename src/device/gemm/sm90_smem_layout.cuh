@@ -1,0 +1,32 @@
+// Shared-memory map of one grouped GEMM block: the stage ring, FP8 activation scales and the
+// pipeline barriers.
+#pragma once
+
+#include <cstdint>
+
+#include "device/gemm/sm90_gemm_params.h"
+
+namespace epmoe::gemm {
+
+template <bool kFp8, int kStages>
+struct Sm90SmemLayout {
+  static constexpr uint32_t kRowBytes = 128;  // one swizzle span of K per row
+  static constexpr uint32_t kTileA = kBlockM * kRowBytes;
+  static constexpr uint32_t kTileB = kBlockN * kRowBytes;
+  static constexpr uint32_t kScaleA = kFp8 ? kBlockM * 4 : 0;
+  static constexpr uint32_t kTxBytes = kTileA + kTileB + kScaleA;  // what TMA lands per stage
+
+  static constexpr uint32_t a_offset(uint32_t s) { return s * kTileA; }
+  static constexpr uint32_t b_offset(uint32_t s) { return kStages * kTileA + s * kTileB; }
+  static constexpr uint32_t sa_offset(uint32_t s) { return kStages * (kTileA + kTileB) + s * kScaleA; }
+  static constexpr uint32_t kBarOffset = kStages * (kTileA + kTileB + kScaleA);
+  static constexpr uint32_t kBytes = kBarOffset + 2 * kStages * 8;
+  // Why + 1024: dynamic smem is only 16-byte aligned; swizzled tiles need 1024.
+  static constexpr uint32_t kAllocBytes = kBytes + 1024;
+
+  static_assert(kTileA % 1024 == 0 && kTileB % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
+  static_assert(kScaleA % 16 == 0, "scale copies need 16-byte aligned destinations");
+  static_assert(kAllocBytes <= 227 * 1024, "the stage ring does not fit in 227 KB of smem: fewer stages");
+};
+
+}  // namespace epmoe::gemm

@@ -1,0 +1,30 @@
+// Host-callable launchers of the sm90 grouped GEMM kernels (one translation unit per dtype keeps
+// the heavy template instantiations apart). Called by src/host/gemm.cpp.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "device/gemm/sm90_gemm_params.h"
+
+namespace epmoe::gemm::detail {
+
+enum class GemmStage { kL1, kL2 };
+
+// grid = persistent block count (one per SM); A is [rows][k] with a 64-row x 128-byte box,
+// B is [groups * n][k] with a 256-row x 128-byte box, both 128-byte swizzled.
+cudaError_t launch_sm90_grouped_gemm_fp8(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                         const GroupedGemmParams& p, int grid, cudaStream_t stream);
+cudaError_t launch_sm90_grouped_gemm_bf16(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                          const GroupedGemmParams& p, int grid, cudaStream_t stream);
+
+// W1 user layout [G][2I][H] -> internal [G][2I][H] with 128-row blocks ordered
+// gate0, up0, gate1, up1, ...; FP8 scales [G][2I/128][H/128] follow the same block order.
+// row_bytes = H * element size; scales may be null (BF16).
+cudaError_t launch_w1_interleave(const void* w_user, void* w_internal, int num_groups, int inter,
+                                 int64_t row_bytes, const float* s_user, float* s_internal, int k_blocks,
+                                 cudaStream_t stream);
+
+}  // namespace epmoe::gemm::detail

@@ -1,0 +1,110 @@
+// Buffers of the standalone dispatch/combine kernels. One symmetric allocation (same offsets on
+// every rank, reachable by peers over NVLink) and one local workspace; docs/COMM.md shows the
+// protocol that moves data between them.
+#pragma once
+
+#include <cstdint>
+
+#include "device/layout/expert_pool.h"
+#include "device/layout/hd.h"
+
+namespace epmoe::layout {
+
+inline constexpr int kCommMaxRanks = 8;
+
+struct CommShape {
+  int num_ranks;      // R
+  int num_experts;    // E (global)
+  int hidden;         // H, a multiple of 128
+  int topk;           // K
+  int max_tokens;     // T_max per rank
+  bool fp8;           // dispatch sends e4m3 + 1x128 scales, else bf16
+  int partial_bytes;  // combine sends fp32 (4) or bf16 (2) partial sums per (token, expert rank)
+
+  EPMOE_HD int experts_per_rank() const { return num_experts / num_ranks; }
+  EPMOE_HD int scale_groups() const { return hidden / kScaleGroup; }
+  EPMOE_HD int64_t x_row_bytes() const { return int64_t(hidden) * (fp8 ? 1 : 2); }
+};
+
+// What a source rank stages for each (token, slot): the sanitized expert (-1 = masked or invalid),
+// the row's position inside the (source, expert) run, and the routing weight.
+struct alignas(16) SlotMeta {
+  int32_t expert;
+  int32_t pos;
+  float weight;
+  int32_t pad;
+};
+static_assert(sizeof(SlotMeta) == 16, "SlotMeta is loaded as one 16-byte vector");
+
+// Flags live in the symmetric allocation; array f, entry r is written by (or about) rank r.
+enum CommFlag : int {
+  kFlagDispatchReady = 0,     // on dest d, [s]: source s staged its tokens and counts for epoch e
+  kFlagDispatchReadDone = 1,  // on source s, [d]: dest d finished pulling s's staging of epoch e
+  kFlagCombineReady = 2,      // on source s, [d]: dest d wrote its partial sums of epoch e
+  kFlagCombineDone = 3,       // on dest d, [s]: source s finished reading d's partials of epoch e
+  kFlagBarrier = 4,           // generic cross-rank barrier slots
+  kNumFlags = 5,
+};
+
+struct CommSymLayout {
+  CommShape s;
+
+  EPMOE_HD int64_t flag_offset(int flag, int rank) const { return (int64_t(flag) * kCommMaxRanks + rank) * 8; }
+  EPMOE_HD int64_t flags_bytes() const { return int64_t(kNumFlags) * kCommMaxRanks * 8; }
+  // [R][E_loc + 1] int32 on each dest: counts of source s per local expert, then T_s.
+  EPMOE_HD int64_t counts_stride() const { return s.experts_per_rank() + 1; }
+  EPMOE_HD int64_t counts_bytes() const { return int64_t(s.num_ranks) * counts_stride() * 4; }
+  EPMOE_HD int64_t stage_x_bytes() const { return int64_t(s.max_tokens) * s.x_row_bytes(); }
+  EPMOE_HD int64_t stage_scale_bytes() const { return s.fp8 ? int64_t(s.max_tokens) * s.scale_groups() * 4 : 0; }
+  EPMOE_HD int64_t stage_meta_bytes() const { return int64_t(s.max_tokens) * s.topk * int64_t(sizeof(SlotMeta)); }
+  // [R][T_max][H] partial sums, on the source rank, indexed by the expert rank that computed them.
+  EPMOE_HD int64_t partial_row_bytes() const { return int64_t(s.hidden) * s.partial_bytes; }
+  EPMOE_HD int64_t partials_bytes() const { return int64_t(s.num_ranks) * s.max_tokens * partial_row_bytes(); }
+
+  EPMOE_HD int64_t counts_offset() const { return next(0, flags_bytes()); }
+  EPMOE_HD int64_t stage_x_offset() const { return next(counts_offset(), counts_bytes()); }
+  EPMOE_HD int64_t stage_scale_offset() const { return next(stage_x_offset(), stage_x_bytes()); }
+  EPMOE_HD int64_t stage_meta_offset() const { return next(stage_scale_offset(), stage_scale_bytes()); }
+  EPMOE_HD int64_t partials_offset() const { return next(stage_meta_offset(), stage_meta_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(partials_offset(), partials_bytes()); }
+
+ private:
+  EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }
+};
+
+// Per-rank workspace that no peer touches. Zero-filled once at creation; the kernels leave every
+// counter as they found it (or advance an epoch), so no per-call reset is needed.
+struct CommLocalLayout {
+  CommShape s;
+
+  // Control words.
+  EPMOE_HD int64_t status_offset() const { return 0; }             // u32: kStatus* bits
+  EPMOE_HD int64_t grid_barrier_offset() const { return 4; }       // u32
+  EPMOE_HD int64_t dispatch_arrive_offset() const { return 8; }    // u32: last-block counter
+  EPMOE_HD int64_t combine_arrive_offset() const { return 12; }    // u32: last-block counter
+  EPMOE_HD int64_t dispatch_epoch_offset() const { return 16; }    // u64: calls completed
+  EPMOE_HD int64_t combine_epoch_offset() const { return 24; }     // u64
+  EPMOE_HD int64_t control_bytes() const { return 32; }
+
+  // [E] int32: per global expert, rows this rank sends there in the current call (atomic cursor).
+  EPMOE_HD int64_t cursor_bytes() const { return int64_t(s.num_experts) * 4; }
+  // [R][T_max][K] int32: for source s's token t, slot k, the local pool row or -1 (what combine reads).
+  EPMOE_HD int64_t token_rows_bytes() const { return int64_t(s.num_ranks) * s.max_tokens * s.topk * 4; }
+  // [R] int32: T_s of the last dispatch, per source.
+  EPMOE_HD int64_t recv_tokens_bytes() const { return int64_t(s.num_ranks) * 4; }
+
+  EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
+  EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
+  EPMOE_HD int64_t recv_tokens_offset() const { return next(token_rows_offset(), token_rows_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
+
+ private:
+  EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }
+};
+
+// The expert pool that a dispatch with this shape fills (a_pool sized for `intermediate`).
+inline ExpertPoolShape pool_shape_for(const CommShape& s, int intermediate, int row_align) {
+  return ExpertPoolShape{s.num_ranks, s.experts_per_rank(), s.hidden, intermediate, s.topk, s.max_tokens, row_align, s.fp8};
+}
+
+}  // namespace epmoe::layout

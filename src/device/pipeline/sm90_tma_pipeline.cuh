@@ -1,0 +1,62 @@
+// The smem pipeline between one TMA producer thread and the math warps: per stage a "full"
+// mbarrier (TMA transactions land on it) and an "empty" mbarrier (each consumer warp arrives
+// once it no longer reads the stage). Every wait is bounded; a timeout is reported by sm90_watchdog.cuh.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include "device/pipeline/pipeline_state.cuh"
+#include "device/ptx/fence.cuh"
+#include "device/ptx/mbarrier.cuh"
+
+namespace epmoe::pipeline {
+
+// Why 10 s: a healthy stage turns over in microseconds; only a bug (a lost arrive, a TMA that
+// faults) waits this long, and trapping beats hanging the GPU for everyone.
+inline constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;
+
+// Spins on one mbarrier phase for at most kWaitTimeoutNs; false on timeout.
+__device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t parity) {
+  if (ptx::mbarrier_try_wait_parity_acquire_cta(bar, parity)) return true;
+  const uint64_t start = ptx::globaltimer_ns();
+  while (!ptx::mbarrier_try_wait_parity_acquire_cta(bar, parity)) {
+    if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
+  }
+  return true;
+}
+
+template <int kStages>
+struct TmaPipeline {
+  using State = PipelineState<kStages>;
+  uint64_t* full;   // [kStages]
+  uint64_t* empty;  // [kStages]
+
+  // One thread, before the CTA-wide barrier that precedes any use.
+  __device__ void init(uint32_t consumer_arrivals) const {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);  // the producer's arrive.expect_tx
+      ptx::mbarrier_init(&empty[s], consumer_arrivals);
+    }
+    ptx::fence_mbarrier_init_release_cluster();
+  }
+
+  // Producer: wait until the consumers released the stage. A fresh barrier counts as released
+  // for the parity before its first phase, hence phase ^ 1.
+  // Returns false on timeout (see sm90_watchdog.cuh).
+  __device__ __forceinline__ bool producer_acquire(const State& st) const {
+    return mbarrier_wait_bounded(&empty[st.index], st.phase ^ 1u);
+  }
+  __device__ __forceinline__ uint64_t* producer_barrier(const State& st) const { return &full[st.index]; }
+
+  // Returns false on timeout (see sm90_watchdog.cuh).
+  __device__ __forceinline__ bool consumer_wait(const State& st) const {
+    return mbarrier_wait_bounded(&full[st.index], st.phase);
+  }
+  // Called by one lane of each consumer warp once the warp's reads of the stage are complete.
+  __device__ __forceinline__ void consumer_release(const State& st) const {
+    ptx::mbarrier_arrive_release_cta(&empty[st.index]);
+  }
+};
+
+}  // namespace epmoe::pipeline

@@ -1,0 +1,34 @@
+// Plain global loads and stores whose caching behaviour matters to the GEMM epilogues.
+#pragma once
+
+#include <cstdint>
+
+namespace epmoe::ptx {
+
+// Read-only for the kernel's lifetime (weights' scales, row counts written by an earlier kernel).
+__device__ __forceinline__ float ld_nc_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int ld_nc_s32(const int* p) {
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Two fp32 -> two e4m3 in one 16-bit word (lo = first), round to nearest even, saturating.
+__device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Two fp32 -> two bf16 in one 32-bit word (lo = first), round to nearest even.
+__device__ __forceinline__ uint32_t cvt_rn_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+}  // namespace epmoe::ptx

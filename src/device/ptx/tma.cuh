@@ -1,0 +1,40 @@
+// TMA (the bulk tensor copy engine): 2D tile loads through a tensor map and 1D bulk copies,
+// both completing as transactions on an mbarrier.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "device/ptx/mbarrier.cuh"
+
+namespace epmoe::ptx {
+
+// Why: the tensor map lives in kernel parameter space (__grid_constant__); prefetching its
+// descriptor hides the first-use latency of every TMA issued through it.
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Loads the box at (c0 = innermost coordinate, c1) into smem; out-of-bounds elements are zero.
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
+                                            int32_t c0, int32_t c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)),
+        "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// Contiguous global -> smem copy; bytes, src and dst must be multiples of 16.
+__device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                              uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(gmem_src)), "r"(bytes),
+        "r"(smem_u32(bar))
+      : "memory");
+}
+
+}  // namespace epmoe::ptx

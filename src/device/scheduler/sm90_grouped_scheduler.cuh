@@ -1,0 +1,69 @@
+// Persistent tile scheduler over the expert-major pool. Expert e owns pool rows
+// [offset[e], offset[e] + count[e]); its output is cut into ceil(count/kBlockM) x n_tiles tiles.
+// Block b takes linear tiles b, b + gridDim.x, ...; the per-expert counts are read on the device,
+// so the grid (one block per SM) never depends on routing. Every role of a block walks its own
+// copy of the scheduler and sees the same tile sequence.
+#pragma once
+
+#include <cstdint>
+
+#include "device/ptx/ld_st.cuh"
+
+namespace epmoe::scheduler {
+
+struct GemmTile {
+  int expert;
+  int m_block;     // within the expert
+  int n_block;     // within the expert, in units of the tile's N
+  int row0;        // first pool row of the tile
+  int rows_valid;  // 1..kBlockM rows of the tile hold real tokens
+};
+
+template <int kBlockM, int kGroupN>
+struct GroupedTileScheduler {
+  static_assert(kBlockM % 64 == 0, "BLOCK_M must be a multiple of the wgmma M of one warpgroup");
+  static_assert(kGroupN >= 1, "the N raster group holds at least one tile");
+
+  const int* count;
+  const int* offset;
+  int num_groups;
+  int n_tiles;
+
+  int next_linear = -1;
+  int expert = -1;
+  int expert_first = 0;  // linear index of the expert's first tile
+  int expert_tiles = 0;
+  int expert_m_blocks = 0;
+
+  __device__ GroupedTileScheduler(const int* count_, const int* offset_, int num_groups_, int n_tiles_)
+      : count(count_), offset(offset_), num_groups(num_groups_), n_tiles(n_tiles_) {}
+
+  __device__ __forceinline__ bool next(GemmTile& t) {
+    next_linear = next_linear < 0 ? int(blockIdx.x) : next_linear + int(gridDim.x);
+    // Why a walk and not a prefix array: a block's tile index only grows, so the walk is
+    // amortised O(1) per tile and needs no extra kernel or workspace.
+    while (next_linear >= expert_first + expert_tiles) {
+      expert_first += expert_tiles;
+      if (++expert >= num_groups) return false;
+      expert_m_blocks = (ptx::ld_nc_s32(count + expert) + kBlockM - 1) / kBlockM;
+      expert_tiles = expert_m_blocks * n_tiles;
+    }
+    // Raster: tiles walk N fastest within a group of kGroupN N-blocks, then M. Blocks running
+    // at the same time share a few weight N-blocks and activation M-blocks, which stay in L2.
+    const int local = next_linear - expert_first;
+    const int group_span = expert_m_blocks * kGroupN;
+    const int group = local / group_span;
+    const int first_n = group * kGroupN;
+    const int width = min(kGroupN, n_tiles - first_n);
+    const int within = local - group * group_span;
+    t.expert = expert;
+    t.n_block = first_n + within % width;
+    t.m_block = within / width;
+    const int cnt = ptx::ld_nc_s32(count + expert);
+    t.row0 = ptx::ld_nc_s32(offset + expert) + t.m_block * kBlockM;
+    t.rows_valid = min(kBlockM, cnt - t.m_block * kBlockM);
+    return true;
+  }
+};
+
+}  // namespace epmoe::scheduler

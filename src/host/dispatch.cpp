@@ -1,0 +1,214 @@
+// DispatchHandle: buffers, validation and launches of the standalone dispatch/combine kernels.
+#include "epmoe/dispatch.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <sstream>
+
+#include "device/comm/dispatch_params.h"
+#include "device/comm/status_bits.h"
+#include "device/layout/comm_layout.h"
+#include "device/layout/expert_pool.h"
+#include "host/check.h"
+
+namespace epmoe {
+namespace {
+
+layout::CommShape comm_shape(int ranks, const DispatchConfig& c) {
+  return layout::CommShape{ranks, c.num_experts, c.hidden, c.topk, c.max_tokens_per_rank, c.dtype == DType::kFP8,
+                           c.combine_partials == PartialPrecision::kFloat32 ? 4 : 2};
+}
+
+layout::ExpertPoolLayout pool_layout(int ranks, const DispatchConfig& c) {
+  return layout::ExpertPoolLayout{layout::pool_shape_for(comm_shape(ranks, c), c.intermediate, c.row_align)};
+}
+
+}  // namespace
+
+struct DispatchHandle::Impl {
+  Communicator* comm = nullptr;
+  DispatchConfig cfg;
+  layout::CommShape shape{};
+  layout::ExpertPoolLayout pool_layout{};
+  SymmetricBuffer* sym = nullptr;
+  char* local_ws = nullptr;
+  char* pool = nullptr;
+  bool owns_pool = false;
+  int num_blocks = 0;
+  int64_t last_tokens = -1;
+
+  ~Impl() {
+    if (local_ws) cudaFree(local_ws);
+    if (owns_pool && pool) cudaFree(pool);
+  }
+  comm::PeerPtrs peers() const {
+    comm::PeerPtrs p{};
+    for (int r = 0; r < shape.num_ranks; ++r) p.ptr[r] = static_cast<char*>(sym->peers[r]);
+    return p;
+  }
+  uint64_t timeout_ns() const { return uint64_t(cfg.timeout_seconds * 1e9); }
+  // Why fewer blocks for few tokens: every block pays for the grid barrier, the flag waits and a
+  // system-scope fence; a small call has too little work to hide that. Any size is correct.
+  int blocks_for(int64_t tokens) const {
+    if (cfg.num_blocks > 0) return num_blocks;
+    if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) {
+      const int n = std::atoi(env);
+      if (n > 0) return n < num_blocks ? n : num_blocks;
+    }
+    // About one warp per (token, rank, 1024-channel slice): the kernels' unit of work.
+    const int64_t slices = (shape.hidden + 1023) / 1024;
+    const int64_t want = (tokens * shape.num_ranks * slices + comm::kCommThreads / 32 - 1) / (comm::kCommThreads / 32);
+    return int(want < 16 ? 16 : (want > num_blocks ? num_blocks : want));
+  }
+};
+
+DispatchHandle::DispatchHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DispatchHandle::~DispatchHandle() = default;
+const DispatchConfig& DispatchHandle::config() const { return impl_->cfg; }
+
+Status DispatchHandle::validate(const Communicator& comm, const DispatchConfig& c) {
+  const int R = comm.size();
+  if (c.num_experts < R || c.num_experts % R != 0)
+    return detail::invalid("DispatchConfig.num_experts=", c.num_experts, " must be a positive multiple of the rank count ", R);
+  if (c.num_experts / R > Limits::kMaxExpertsPerRank)
+    return detail::invalid("DispatchConfig: experts per rank=", c.num_experts / R, " exceeds ", Limits::kMaxExpertsPerRank);
+  if (c.hidden <= 0 || c.hidden % 128 != 0 || c.hidden > Limits::kMaxHidden)
+    return detail::invalid("DispatchConfig.hidden=", c.hidden, " must be a positive multiple of 128, at most ", Limits::kMaxHidden);
+  if (c.topk < 1 || c.topk > c.num_experts || c.topk > Limits::kMaxTopK)
+    return detail::invalid("DispatchConfig.topk=", c.topk, " must be in [1, min(E=", c.num_experts, ", ", Limits::kMaxTopK, ")]");
+  if (c.max_tokens_per_rank < 1 || c.max_tokens_per_rank > Limits::kMaxTokensPerRank)
+    return detail::invalid("DispatchConfig.max_tokens_per_rank=", c.max_tokens_per_rank, " must be in [1, ",
+                           Limits::kMaxTokensPerRank, "]");
+  if (c.row_align < 1 || c.row_align > 1024)
+    return detail::invalid("DispatchConfig.row_align=", c.row_align, " must be in [1, 1024]");
+  if (c.intermediate < 0 || c.intermediate % 128 != 0)
+    return detail::invalid("DispatchConfig.intermediate=", c.intermediate, " must be 0 or a multiple of 128");
+  if (!(c.timeout_seconds > 0) || c.timeout_seconds > 3600)
+    return detail::invalid("DispatchConfig.timeout_seconds=", c.timeout_seconds, " must be in (0, 3600]");
+  if (c.num_blocks < 0) return detail::invalid("DispatchConfig.num_blocks=", c.num_blocks, " must be >= 0");
+  return Status::Ok();
+}
+
+int64_t DispatchHandle::pool_bytes_for(const Communicator& comm, const DispatchConfig& cfg) {
+  return pool_layout(comm.size(), cfg).num_bytes();
+}
+
+Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std::unique_ptr<DispatchHandle>* out,
+                              void* external_pool) {
+  EPMOE_RETURN_IF_ERROR(validate(comm, cfg));
+  auto m = std::make_unique<Impl>();
+  m->comm = &comm;
+  m->cfg = cfg;
+  m->shape = comm_shape(comm.size(), cfg);
+  m->pool_layout = pool_layout(comm.size(), cfg);
+  int max_blocks = 0;
+  EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
+  m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < max_blocks ? cfg.num_blocks : max_blocks;
+
+  const layout::CommSymLayout sym{m->shape};
+  const layout::CommLocalLayout loc{m->shape};
+  EPMOE_RETURN_IF_ERROR(comm.alloc_symmetric(size_t(sym.num_bytes()), &m->sym));
+  EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->local_ws), size_t(loc.num_bytes())));
+  EPMOE_CUDA_RETURN(cudaMemset(m->local_ws, 0, size_t(loc.num_bytes())));
+  if (external_pool) {
+    m->pool = static_cast<char*>(external_pool);
+  } else {
+    EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->pool), size_t(m->pool_layout.num_bytes())));
+    m->owns_pool = true;
+  }
+  // Counts and offsets read before the first dispatch are zeros, not garbage.
+  EPMOE_CUDA_RETURN(cudaMemset(m->pool + m->pool_layout.expert_count_offset(), 0,
+                               size_t(m->pool_layout.num_bytes() - m->pool_layout.expert_count_offset())));
+  EPMOE_CUDA_RETURN(cudaDeviceSynchronize());
+  out->reset(new DispatchHandle(std::move(m)));
+  return Status::Ok();
+}
+
+ExpertPoolView DispatchHandle::pool() const {
+  const auto& pl = impl_->pool_layout;
+  char* b = impl_->pool;
+  ExpertPoolView v;
+  v.base = b;
+  v.bytes = pl.num_bytes();
+  v.max_rows = pl.max_rows();
+  v.scale_stride = pl.scale_stride();
+  v.x_pool = b + pl.x_pool_offset();
+  v.x_scale = pl.x_scale_bytes() ? reinterpret_cast<float*>(b + pl.x_scale_offset()) : nullptr;
+  v.row_weight = reinterpret_cast<float*>(b + pl.row_weight_offset());
+  v.row_source = reinterpret_cast<uint32_t*>(b + pl.row_source_offset());
+  v.a_pool = pl.a_pool_bytes() ? b + pl.a_pool_offset() : nullptr;
+  v.a_scale = pl.a_scale_bytes() ? reinterpret_cast<float*>(b + pl.a_scale_offset()) : nullptr;
+  v.o_pool = reinterpret_cast<uint16_t*>(b + pl.o_pool_offset());
+  v.expert_count = reinterpret_cast<int32_t*>(b + pl.expert_count_offset());
+  v.expert_offset = reinterpret_cast<int32_t*>(b + pl.expert_offset_offset());
+  return v;
+}
+
+Status DispatchHandle::dispatch(const void* x, const int32_t* topk_idx, const float* topk_weights, int64_t num_tokens,
+                                cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (num_tokens < 0 || num_tokens > m.cfg.max_tokens_per_rank)
+    return detail::invalid("dispatch: num_tokens=", num_tokens, " must be in [0, max_tokens_per_rank=",
+                           m.cfg.max_tokens_per_rank, "]");
+  if (num_tokens > 0 && (!x || !topk_idx || !topk_weights))
+    return detail::invalid("dispatch: x, topk_idx and topk_weights must be non-null when num_tokens=", num_tokens, " > 0");
+  comm::DispatchParams p{};
+  p.shape = m.shape;
+  p.rank = m.comm->rank();
+  p.x = static_cast<const uint16_t*>(x);
+  p.topk_idx = topk_idx;
+  p.topk_w = topk_weights;
+  p.num_tokens = int(num_tokens);
+  p.pool = m.pool;
+  p.pool_layout = m.pool_layout;
+  p.sym = m.peers();
+  p.local_ws = m.local_ws;
+  p.pow2_scales = m.cfg.pow2_scales;
+  p.timeout_ns = m.timeout_ns();
+  EPMOE_CUDA_RETURN(comm::launch_dispatch(p, m.blocks_for(num_tokens), stream));
+  m.last_tokens = num_tokens;
+  return Status::Ok();
+}
+
+Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (m.last_tokens < 0) return detail::invalid("combine: no dispatch has been issued on this handle");
+  if (num_tokens != m.last_tokens)
+    return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
+  if (num_tokens > 0 && !y) return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
+  comm::CombineParams p{};
+  p.shape = m.shape;
+  p.rank = m.comm->rank();
+  p.pool = m.pool;
+  p.pool_layout = m.pool_layout;
+  p.y = static_cast<uint16_t*>(y);
+  p.sym = m.peers();
+  p.local_ws = m.local_ws;
+  p.timeout_ns = m.timeout_ns();
+  EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens), stream));
+  return Status::Ok();
+}
+
+Status DispatchHandle::check_errors(cudaStream_t stream) {
+  Impl& m = *impl_;
+  EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+  const layout::CommLocalLayout loc{m.shape};
+  uint32_t word = 0;
+  EPMOE_CUDA_RETURN(cudaMemcpy(&word, m.local_ws + loc.status_offset(), 4, cudaMemcpyDeviceToHost));
+  if (word == 0) return Status::Ok();
+  EPMOE_CUDA_RETURN(cudaMemset(m.local_ws + loc.status_offset(), 0, 4));
+  std::ostringstream os;
+  os << "rank " << m.comm->rank() << ": dispatch/combine recorded errors (status 0x" << std::hex << word << std::dec << "):";
+  if (word & comm::kStatusBadExpert)
+    os << " a topk_idx outside [-1, " << m.cfg.num_experts << ") (those slots were treated as masked);";
+  if (word & comm::kStatusDuplicateExpert) os << " an expert listed twice in one token (the later slot was masked);";
+  if (word & comm::kStatusTimeout) os << " a wait for a peer timed out;";
+  if (word & comm::kStatusInternal) os << " an internal row-index error (a bug);";
+  const StatusCode code = (word & (comm::kStatusTimeout)) ? StatusCode::kTimeout
+                          : (word & comm::kStatusInternal) ? StatusCode::kInternal
+                                                           : StatusCode::kInvalidArgument;
+  return Status(code, os.str());
+}
+
+}  // namespace epmoe

@@ -1,0 +1,67 @@
+// Grouped GEMMs of the MoE layer (L1: gate/up projection + SwiGLU, L2: down projection) over the
+// expert-major pool (device/layout/expert_pool.h). FP8 e4m3 with 1x128 activation and 128x128
+// weight block scales, or BF16. docs/GEMM.md describes the kernels and the weight layouts.
+//
+// All calls are stream-ordered, never synchronize with the host and never allocate, so they can
+// be captured in a CUDA graph. Shapes are checked on the host before anything is launched.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "epmoe/config.h"
+#include "epmoe/status.h"
+
+namespace epmoe::gemm {
+
+// Each expert's segment of the pool must start at a multiple of this many rows (BLOCK_M).
+int row_align(DType dtype);
+
+// hidden and intermediate are positive multiples of 128 (the FP8 scale block; BF16 shares the
+// kernels' tiling). Called by layer creation before anything is allocated.
+Status validate_shape(DType dtype, int hidden, int inter);
+
+// The grouped problem on the pool: expert e owns rows [expert_offset[e], expert_offset[e] +
+// expert_count[e]); both arrays live on the device and may change between calls (any count,
+// 0 included). Offsets must be multiples of row_align(); rows between count and the next
+// segment are padding whose outputs are left untouched.
+struct GroupedArgs {
+  int num_groups;            // experts on this rank, >= 1
+  const int* expert_count;   // device [num_groups]
+  const int* expert_offset;  // device [num_groups + 1]
+  int64_t max_rows;          // pool rows, a multiple of row_align(); every segment lies below it
+  int64_t scale_stride;      // FP8: row stride of MN-major activation scales, >= max_rows, multiple of 4
+};
+
+// ---- One-time weight transforms (device to device, stream-ordered) --------------------------
+// Dimensions follow the weight's shape. Scale pointers are ignored (may be null) for BF16.
+// Outputs have the inputs' sizes and must not alias them.
+
+// W1 user layout [G][2I][H] (rows 0..I-1 gate, I..2I-1 up) -> internal layout [G][2I][H] whose
+// 128-row blocks are ordered gate0, up0, gate1, up1, ... FP8 scales [G][2I/128][H/128] are
+// permuted the same way.
+Status prepare_w1(DType dtype, const void* w1_user, const float* w1_scale_user, void* w1_internal,
+                  float* w1_scale_internal, int num_groups, int inter, int hidden, cudaStream_t stream);
+
+// W2 [G][H][I] is already in the kernel's layout (K-major, scales [G][H/128][I/128]); this is a
+// device copy, kept so that a later layout change does not change the API.
+Status prepare_w2(DType dtype, const void* w2_user, const float* w2_scale_user, void* w2_internal,
+                  float* w2_scale_internal, int num_groups, int hidden, int inter, cudaStream_t stream);
+
+// ---- L1: a = silu(gate) * up * row_weight (after the optional clamp), x W1^T in fp32 ---------
+// FP8: x e4m3 [max_rows][H] with x_scale [H/128][scale_stride]; a is requantized per 128
+// channels (SPEC step 5, pow2_scales rounds scales up to powers of two) into e4m3 [max_rows][I]
+// and a_scale [I/128][scale_stride]. BF16: x bf16 [max_rows][H], a bf16 [max_rows][I].
+// w1 / w1_scale in the internal layout (prepare_w1). row_weight [max_rows] fp32.
+// clamp <= 0 disables the clamp; else up = clamp(up, -clamp, clamp), gate = min(gate, clamp).
+Status l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_scale, const void* w1,
+          const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp, bool pow2_scales,
+          void* a, float* a_scale, cudaStream_t stream);
+
+// ---- L2: o = a W2^T, accumulated in fp32, bf16 out [max_rows][H] ---------------------------------
+// FP8: a e4m3 [max_rows][I] with a_scale [I/128][scale_stride]; BF16: a bf16 [max_rows][I].
+Status l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
+          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream);
+
+}  // namespace epmoe::gemm

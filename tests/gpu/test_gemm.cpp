@@ -1,0 +1,383 @@
+// Grouped GEMM kernels (src/host/gemm.h) against a float64 host GEMM fed the same quantized
+// inputs, and the L1 epilogue against the reference's SwiGLU and 1x128 requant.
+// Fresh random data every run; outputs and padding rows are poisoned with NaN.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/gpu_test_util.h"
+#include "host/gemm.h"
+#include "reference/numeric.h"
+#include "reference/reference.h"
+
+namespace {
+
+using epmoe::DType;
+namespace ref = epmoe::ref;
+namespace gemm = epmoe::gemm;
+
+struct Case {
+  DType dtype;
+  bool l1;                  // L1 (SwiGLU epilogue) or L2 (bf16 store)
+  std::vector<int> counts;  // rows per expert
+  int hidden;
+  int inter;
+  float clamp = 0.0f;
+  bool pow2 = false;
+  bool exact = false;  // small-integer operands: the fp32 GEMM is exact, the epilogue must match ~bit for bit
+};
+
+template <class T>
+struct DeviceBuf {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuf(size_t count) : n(count) {
+    if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuf() { cudaFree(ptr); }
+  void upload(const std::vector<T>& h) { ASSERT_EQ(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess); }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+int e4m3_ordinal(uint8_t c) { return (c & 0x80) ? -int(c & 0x7F) : int(c & 0x7F); }
+
+std::string describe(const Case& c) {
+  std::string s = std::string(c.dtype == DType::kFP8 ? "fp8 " : "bf16 ") + (c.l1 ? "L1" : "L2") +
+                  " H=" + std::to_string(c.hidden) + " I=" + std::to_string(c.inter) + " counts=";
+  for (int n : c.counts) s += std::to_string(n) + ",";
+  s += " clamp=" + std::to_string(c.clamp) + (c.pow2 ? " pow2" : "") + (c.exact ? " exact" : "");
+  return s;
+}
+
+void run_case(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  const bool fp8 = c.dtype == DType::kFP8;
+  const int G = int(c.counts.size());
+  const int align = gemm::row_align(c.dtype);
+  const int K = c.l1 ? c.hidden : c.inter;     // reduction
+  const int NB = c.l1 ? 2 * c.inter : c.hidden;  // weight rows per expert (user layout)
+  const int NO = c.l1 ? c.inter : c.hidden;      // output columns
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> small(-4, 4);
+
+  // Expert segments, with an extra gap after odd experts and a padded tail.
+  std::vector<int> offset(G + 1, 0);
+  for (int e = 0; e < G; ++e) offset[e + 1] = offset[e] + (c.counts[e] + align - 1) / align * align + (e % 2) * align;
+  const int64_t max_rows = offset[G] + align;
+  const int64_t ss = max_rows + 4;  // scale stride deliberately != max_rows
+  std::vector<char> valid(max_rows, 0);
+  std::vector<int> row_expert(max_rows, -1);
+  for (int e = 0; e < G; ++e)
+    for (int r = 0; r < c.counts[e]; ++r) {
+      valid[offset[e] + r] = 1;
+      row_expert[offset[e] + r] = e;
+    }
+
+  // ---- Activations: quantized / rounded inputs and their exact values. -------------------------
+  std::vector<double> a_val(max_rows * size_t(K), 0.0);
+  std::vector<uint8_t> a_q(fp8 ? max_rows * size_t(K) : 0, 0x7F);  // NaN in padding rows
+  std::vector<float> a_s(fp8 ? size_t(K / 128) * ss : 0, NAN);
+  std::vector<uint16_t> a_b(fp8 ? 0 : max_rows * size_t(K), 0x7FFF);
+  std::vector<float> row(K);
+  std::vector<uint8_t> qrow(K);
+  std::vector<float> srow(K / 128);
+  for (int64_t r = 0; r < max_rows; ++r) {
+    if (!valid[r]) continue;
+    const float mag = std::ldexp(1.0f, int(rng() % 7) - 3);  // rows of different magnitude
+    if (fp8 && c.exact) {
+      for (int k = 0; k < K; ++k) qrow[k] = ref::e4m3_from_float(float(small(rng)));
+      for (int g = 0; g < K / 128; ++g) srow[g] = std::ldexp(1.0f, int(rng() % 5) - 2);
+    } else if (fp8) {
+      for (int k = 0; k < K; ++k) row[k] = uni(rng) * mag;
+      ref::quantize_1x128(row.data(), K, c.pow2, qrow.data(), srow.data());
+    }
+    for (int k = 0; k < K; ++k) {
+      if (fp8) {
+        a_q[r * K + k] = qrow[k];
+        a_val[r * K + k] = ref::e4m3_table()[qrow[k]] * double(srow[k / 128]);
+      } else {
+        const float v = c.exact ? float(small(rng)) : uni(rng) * mag;
+        a_b[r * K + k] = ref::bf16_from_float(v);
+        a_val[r * K + k] = ref::bf16_to_float(a_b[r * K + k]);
+      }
+    }
+    if (fp8)
+      for (int g = 0; g < K / 128; ++g) a_s[g * ss + r] = srow[g];
+  }
+
+  // ---- Weights, user layout [G][NB][K], FP8 scales [G][NB/128][K/128]. ------------------------
+  const size_t wn = size_t(G) * NB * K;
+  std::vector<double> w_val(wn);
+  std::vector<uint8_t> w_q(fp8 ? wn : 0);
+  std::vector<float> w_s(fp8 ? size_t(G) * (NB / 128) * (K / 128) : 0);
+  std::vector<uint16_t> w_b(fp8 ? 0 : wn);
+  {
+    std::vector<float> wf(size_t(NB) * K);
+    for (int e = 0; e < G; ++e) {
+      const size_t base = size_t(e) * NB * K;
+      const size_t sbase = size_t(e) * (NB / 128) * (K / 128);
+      if (fp8 && c.exact) {
+        for (size_t i = 0; i < size_t(NB) * K; ++i) w_q[base + i] = ref::e4m3_from_float(float(small(rng)));
+        for (int i = 0; i < (NB / 128) * (K / 128); ++i) w_s[sbase + i] = std::ldexp(1.0f, int(rng() % 5) - 4);
+      } else if (fp8) {
+        for (auto& v : wf) v = uni(rng) * 0.05f;
+        ref::quantize_128x128(wf.data(), NB, K, false, w_q.data() + base, w_s.data() + sbase);
+      }
+      for (int n = 0; n < NB; ++n)
+        for (int k = 0; k < K; ++k) {
+          const size_t i = base + size_t(n) * K + k;
+          if (fp8) {
+            w_val[i] = ref::e4m3_table()[w_q[i]] * double(w_s[sbase + (n / 128) * (K / 128) + k / 128]);
+          } else {
+            const float v = c.exact ? float(small(rng)) * 0.125f : uni(rng) * 0.05f;
+            w_b[i] = ref::bf16_from_float(v);
+            w_val[i] = ref::bf16_to_float(w_b[i]);
+          }
+        }
+    }
+  }
+  std::vector<float> row_weight(max_rows, NAN);
+  for (int64_t r = 0; r < max_rows; ++r)
+    if (valid[r]) row_weight[r] = c.exact ? std::ldexp(1.0f, -int(rng() % 3)) : 0.1f + 0.9f * (uni(rng) * 0.5f + 0.5f);
+
+  // ---- float64 reference GEMM: h[r][n] over the user layout. ---------------------------------
+  std::vector<double> h(max_rows * size_t(NB), 0.0);
+  for (int64_t r = 0; r < max_rows; ++r) {
+    if (!valid[r]) continue;
+    const double* ar = &a_val[r * K];
+    const double* we = &w_val[size_t(row_expert[r]) * NB * K];
+    for (int n = 0; n < NB; ++n) {
+      const double* wr = we + size_t(n) * K;
+      double acc = 0.0;
+      for (int k = 0; k < K; ++k) acc += ar[k] * wr[k];
+      h[r * NB + n] = acc;
+    }
+  }
+
+  // ---- Device run. ---------------------------------------------------------------------------
+  DeviceBuf<int> d_count(G), d_offset(G + 1);
+  d_count.upload(c.counts);
+  d_offset.upload(offset);
+  DeviceBuf<uint8_t> d_a(max_rows * size_t(K) * (fp8 ? 1 : 2));
+  DeviceBuf<float> d_as(fp8 ? a_s.size() : 1);
+  DeviceBuf<uint8_t> d_w(wn * (fp8 ? 1 : 2)), d_w_int(wn * (fp8 ? 1 : 2));
+  DeviceBuf<float> d_ws(fp8 ? w_s.size() : 1), d_ws_int(fp8 ? w_s.size() : 1);
+  DeviceBuf<float> d_rw(max_rows);
+  const size_t out_elem = (c.l1 && fp8) ? 1 : 2;
+  DeviceBuf<uint8_t> d_out(max_rows * size_t(NO) * out_elem);
+  DeviceBuf<float> d_out_s(size_t(NO / 128) * ss);
+  ASSERT_NE(d_out.ptr, nullptr);
+  ASSERT_NE(d_w_int.ptr, nullptr);
+  if (fp8) {
+    EPMOE_CUDA_OK(cudaMemcpy(d_a.ptr, a_q.data(), a_q.size(), cudaMemcpyHostToDevice));
+    EPMOE_CUDA_OK(cudaMemcpy(d_as.ptr, a_s.data(), a_s.size() * 4, cudaMemcpyHostToDevice));
+    EPMOE_CUDA_OK(cudaMemcpy(d_w.ptr, w_q.data(), w_q.size(), cudaMemcpyHostToDevice));
+    EPMOE_CUDA_OK(cudaMemcpy(d_ws.ptr, w_s.data(), w_s.size() * 4, cudaMemcpyHostToDevice));
+  } else {
+    EPMOE_CUDA_OK(cudaMemcpy(d_a.ptr, a_b.data(), a_b.size() * 2, cudaMemcpyHostToDevice));
+    EPMOE_CUDA_OK(cudaMemcpy(d_w.ptr, w_b.data(), w_b.size() * 2, cudaMemcpyHostToDevice));
+  }
+  d_rw.upload(row_weight);
+  EPMOE_CUDA_OK(cudaMemset(d_out.ptr, 0xFF, d_out.n));      // NaN in bf16 and e4m3
+  EPMOE_CUDA_OK(cudaMemset(d_out_s.ptr, 0xFF, d_out_s.n * 4));  // NaN scales
+
+  gemm::GroupedArgs args{G, d_count.ptr, d_offset.ptr, max_rows, ss};
+  cudaStream_t stream;
+  EPMOE_CUDA_OK(cudaStreamCreate(&stream));
+  if (c.l1) {
+    EPMOE_OK(gemm::prepare_w1(c.dtype, d_w.ptr, fp8 ? d_ws.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr, G,
+                              c.inter, c.hidden, stream));
+    EPMOE_OK(gemm::l1(c.dtype, args, d_a.ptr, fp8 ? d_as.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr,
+                      d_rw.ptr, c.hidden, c.inter, c.clamp, c.pow2, d_out.ptr, fp8 ? d_out_s.ptr : nullptr, stream));
+  } else {
+    EPMOE_OK(gemm::prepare_w2(c.dtype, d_w.ptr, fp8 ? d_ws.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr, G,
+                              c.hidden, c.inter, stream));
+    EPMOE_OK(gemm::l2(c.dtype, args, d_a.ptr, fp8 ? d_as.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr,
+                      c.inter, c.hidden, d_out.ptr, stream));
+  }
+  EPMOE_CUDA_OK(cudaStreamSynchronize(stream));
+  EPMOE_CUDA_OK(cudaGetLastError());
+  EPMOE_CUDA_OK(cudaStreamDestroy(stream));
+  const std::vector<uint8_t> out = d_out.download();
+  const std::vector<float> out_s = d_out_s.download();
+
+  // ---- Checks. -------------------------------------------------------------------------------
+  auto bf16_at = [&](int64_t r, int n) {
+    uint16_t b;
+    std::memcpy(&b, &out[(r * NO + n) * 2], 2);
+    return double(ref::bf16_to_float(b));
+  };
+  double err2 = 0.0, ref2 = 0.0;
+  int64_t nonfinite = 0, checked = 0;
+  if (!c.l1) {
+    for (int64_t r = 0; r < max_rows; ++r) {
+      if (!valid[r]) continue;
+      for (int n = 0; n < NO; ++n) {
+        const double g = bf16_at(r, n), x = h[r * NB + n];
+        if (!std::isfinite(g)) ++nonfinite;
+        err2 += (g - x) * (g - x);
+        ref2 += x * x;
+        ++checked;
+      }
+    }
+    EXPECT_EQ(nonfinite, 0) << "unwritten or non-finite outputs";
+    const double rel = checked ? std::sqrt(err2 / std::max(ref2, 1e-300)) : 0.0;
+    EXPECT_LE(rel, c.exact ? 2e-3 : 4e-3) << "relative L2 error " << rel << " over " << checked << " outputs";
+    return;
+  }
+
+  // L1: the reference activation in fp32 from the float64 GEMM, then SPEC step 5.
+  std::vector<float> a_ref(NO);
+  std::vector<uint8_t> q_ref(NO);
+  std::vector<float> s_ref(NO / 128);
+  int64_t code_far = 0, code_off = 0, scale_bad = 0;
+  for (int64_t r = 0; r < max_rows; ++r) {
+    if (!valid[r]) continue;
+    for (int i = 0; i < NO; ++i)
+      a_ref[i] = ref::swiglu(float(h[r * NB + i]), float(h[r * NB + NO + i]), c.clamp, row_weight[r]);
+    if (fp8) {
+      ref::quantize_1x128(a_ref.data(), NO, c.pow2, q_ref.data(), s_ref.data());
+      for (int g = 0; g < NO / 128; ++g) {
+        const float s = out_s[g * ss + r];
+        if (!std::isfinite(s)) ++nonfinite;
+        // Exact operands: only expf's last bit may differ. Random operands: the FP8 tensor-core
+        // partial sums carry ~2^-13 relative error before promotion, so amax moves by ~1e-4.
+        const double tol = c.exact ? 1e-6 : 2e-3;
+        if (!(std::fabs(s - s_ref[g]) <= tol * s_ref[g])) {
+          if (scale_bad++ < 5)
+            ADD_FAILURE() << "row " << r << " group " << g << ": scale " << s << " vs reference " << s_ref[g];
+        }
+      }
+      for (int i = 0; i < NO; ++i) {
+        const uint8_t q = out[r * NO + i];
+        if ((q & 0x7F) == 0x7F) ++nonfinite;
+        // Against the reference's dequantized activation.
+        const double g = ref::e4m3_table()[q] * double(out_s[(i / 128) * ss + r]);
+        const double x = ref::e4m3_table()[q_ref[i]] * double(s_ref[i / 128]);
+        const int d = std::abs(e4m3_ordinal(q) - e4m3_ordinal(q_ref[i]));
+        // Exact: at most one code apart (a rounding boundary). Random: within one e4m3 step of
+        // the value plus the GEMM's error, which scales with the group's amax (448 s).
+        const bool far = c.exact ? d > 1 : std::fabs(g - x) > 0.125 * std::fabs(x) + 4e-3 * 448.0 * s_ref[i / 128];
+        if (far && code_far++ < 5)
+          ADD_FAILURE() << "row " << r << " channel " << i << ": code " << int(q) << " vs reference " << int(q_ref[i])
+                        << " (a=" << a_ref[i] << ", scale " << s_ref[i / 128] << ")";
+        if (d >= 1) ++code_off;
+        err2 += (g - x) * (g - x);
+        ref2 += x * x;
+        ++checked;
+      }
+    } else {
+      for (int i = 0; i < NO; ++i) {
+        const double g = bf16_at(r, i);
+        if (!std::isfinite(g)) ++nonfinite;
+        err2 += (g - a_ref[i]) * (g - a_ref[i]);
+        ref2 += double(a_ref[i]) * a_ref[i];
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(nonfinite, 0) << "unwritten or non-finite outputs";
+  EXPECT_EQ(scale_bad, 0);
+  EXPECT_EQ(code_far, 0);
+  // Codes apart come from values a last bit away from the reference's at a rounding boundary:
+  // rare with exact operands; with random ones the GEMM's own error moves a few percent.
+  EXPECT_LE(double(code_off), (c.exact ? 0.002 : 0.08) * double(std::max<int64_t>(checked, 1)) + 2)
+      << code_off << " of " << checked << " codes differ";
+  const double rel = checked ? std::sqrt(err2 / std::max(ref2, 1e-300)) : 0.0;
+  EXPECT_LE(rel, fp8 ? 1e-2 : 4e-3) << "relative L2 error of the activations " << rel;
+}
+
+uint64_t fresh_seed() {
+  std::random_device rd;
+  const uint64_t s = (uint64_t(rd()) << 32) ^ rd();
+  std::printf("[gemm test] seed %llu\n", (unsigned long long)s);
+  return s;
+}
+
+// Counts 0, 1, block-1, block+1 and a large one, in a mixed order.
+std::vector<int> edge_counts(DType d) {
+  const int b = gemm::row_align(d);
+  return {0, 1, b - 1, b + 1, 0, 9 * b + 17};
+}
+
+class GemmShapes : public ::testing::TestWithParam<std::tuple<DType, bool, int, int>> {};
+
+TEST_P(GemmShapes, MatchesFloat64Reference) {
+  EPMOE_REQUIRE_GPUS(1);
+  auto [dt, l1, hidden, inter] = GetParam();
+  Case c{dt, l1, edge_counts(dt), hidden, inter};
+  run_case(c, fresh_seed());
+}
+
+// N and K at the smallest size (128) and odd multiples of 128.
+INSTANTIATE_TEST_SUITE_P(
+    Sm90, GemmShapes,
+    ::testing::Combine(::testing::Values(DType::kFP8, DType::kBF16), ::testing::Bool(), ::testing::Values(128, 384),
+                       ::testing::Values(128, 640)),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param) == DType::kFP8 ? "fp8" : "bf16") + (std::get<1>(info.param) ? "_L1" : "_L2") +
+             "_H" + std::to_string(std::get<2>(info.param)) + "_I" + std::to_string(std::get<3>(info.param));
+    });
+
+TEST(GemmL1Epilogue, Fp8ExactClampPow2) {
+  EPMOE_REQUIRE_GPUS(1);
+  for (bool pow2 : {false, true})
+    for (float clamp : {0.0f, 3.0f}) {
+      Case c{DType::kFP8, true, {70, 0, 130, 1}, 384, 256, clamp, pow2, true};
+      run_case(c, fresh_seed());
+    }
+}
+
+TEST(GemmL1Epilogue, Bf16Clamp) {
+  EPMOE_REQUIRE_GPUS(1);
+  Case c{DType::kBF16, true, {5, 200, 64}, 256, 384, 2.5f, false, false};
+  run_case(c, fresh_seed());
+}
+
+TEST(GemmL1Epilogue, Fp8RandomClampPow2) {
+  EPMOE_REQUIRE_GPUS(1);
+  Case c{DType::kFP8, true, {300, 63, 65}, 512, 384, 0.75f, true, false};
+  run_case(c, fresh_seed());
+}
+
+TEST(GemmManyExperts, UnevenCountsRepeatedCalls) {
+  EPMOE_REQUIRE_GPUS(1);
+  // More tiles than SMs with many empty experts, twice with fresh data on the same shapes.
+  std::vector<int> counts;
+  for (int e = 0; e < 40; ++e) counts.push_back(e % 5 == 0 ? 0 : (e * 37) % 200);
+  for (int rep = 0; rep < 2; ++rep) {
+    run_case(Case{DType::kFP8, false, counts, 768, 256}, fresh_seed());
+    run_case(Case{DType::kBF16, false, counts, 768, 256}, fresh_seed());
+  }
+}
+
+TEST(GemmValidation, RejectsBadShapes) {
+  gemm::GroupedArgs args{2, reinterpret_cast<const int*>(16), reinterpret_cast<const int*>(32), 128, 128};
+  const void* p = reinterpret_cast<const void*>(256);
+  float* fp = reinterpret_cast<float*>(512);
+  auto st = gemm::l2(DType::kBF16, args, p, nullptr, p, nullptr, 100, 256, const_cast<void*>(p), nullptr);
+  EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
+  args.max_rows = 100;
+  st = gemm::l2(DType::kBF16, args, p, nullptr, p, nullptr, 128, 256, const_cast<void*>(p), nullptr);
+  EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
+  args.max_rows = 128;
+  args.scale_stride = 64;
+  st = gemm::l1(DType::kFP8, args, p, fp, p, fp, fp, 128, 128, 0.0f, false, const_cast<void*>(p), fp, nullptr);
+  EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_FALSE(gemm::validate_shape(DType::kFP8, 7168, 100).ok());
+  EXPECT_TRUE(gemm::validate_shape(DType::kFP8, 7168, 2048).ok());
+}
+
+}  // namespace

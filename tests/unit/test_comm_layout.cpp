@@ -1,0 +1,87 @@
+// The dispatch/combine buffer layouts: regions aligned, disjoint, and sized for the worst case.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "device/layout/comm_layout.h"
+
+namespace {
+
+using epmoe::layout::CommLocalLayout;
+using epmoe::layout::CommShape;
+using epmoe::layout::CommSymLayout;
+
+void expect_disjoint_aligned(std::vector<std::pair<int64_t, int64_t>> regions, int64_t total) {
+  std::sort(regions.begin(), regions.end());
+  int64_t end = 0;
+  for (auto [off, bytes] : regions) {
+    EXPECT_EQ(off % epmoe::layout::kRegionAlign, 0) << off;
+    EXPECT_GE(off, end);
+    end = off + bytes;
+  }
+  EXPECT_LE(end, total);
+}
+
+TEST(CommLayout, SymmetricRegionsDisjointAndAligned) {
+  for (bool fp8 : {true, false})
+    for (int pb : {2, 4}) {
+      const CommShape s{2, 64, 7168, 8, 8192, fp8, pb};
+      const CommSymLayout l{s};
+      expect_disjoint_aligned({{0, l.flags_bytes()},
+                               {l.counts_offset(), l.counts_bytes()},
+                               {l.stage_x_offset(), l.stage_x_bytes()},
+                               {l.stage_scale_offset(), l.stage_scale_bytes()},
+                               {l.stage_meta_offset(), l.stage_meta_bytes()},
+                               {l.partials_offset(), l.partials_bytes()}},
+                              l.num_bytes());
+      EXPECT_EQ(l.stage_x_bytes(), int64_t(8192) * 7168 * (fp8 ? 1 : 2));
+      EXPECT_EQ(l.stage_scale_bytes(), fp8 ? int64_t(8192) * 56 * 4 : 0);
+      EXPECT_EQ(l.partials_bytes(), int64_t(2) * 8192 * 7168 * pb);
+      EXPECT_EQ(l.counts_stride(), 33);
+    }
+}
+
+TEST(CommLayout, FlagsFitTheirRegion) {
+  const CommSymLayout l{CommShape{8, 64, 128, 2, 16, true, 4}};
+  for (int f = 0; f < epmoe::layout::kNumFlags; ++f)
+    for (int r = 0; r < epmoe::layout::kCommMaxRanks; ++r) {
+      EXPECT_EQ(l.flag_offset(f, r) % 8, 0);
+      EXPECT_LT(l.flag_offset(f, r), l.flags_bytes());
+    }
+}
+
+TEST(CommLayout, LocalRegionsDisjointAndAligned) {
+  const CommShape s{4, 256, 4096, 8, 1000, true, 4};
+  const CommLocalLayout l{s};
+  expect_disjoint_aligned({{0, l.control_bytes()},
+                           {l.cursor_offset(), l.cursor_bytes()},
+                           {l.token_rows_offset(), l.token_rows_bytes()},
+                           {l.recv_tokens_offset(), l.recv_tokens_bytes()}},
+                          l.num_bytes());
+  EXPECT_EQ(l.cursor_bytes(), 256 * 4);
+  EXPECT_EQ(l.token_rows_bytes(), int64_t(4) * 1000 * 8 * 4);
+  // Control words do not overlap each other.
+  EXPECT_EQ(l.dispatch_epoch_offset() % 8, 0);
+  EXPECT_EQ(l.combine_epoch_offset() % 8, 0);
+  EXPECT_LE(l.combine_epoch_offset() + 8, l.control_bytes());
+}
+
+TEST(CommLayout, PoolShapeFollowsTheCommShape) {
+  const CommShape s{2, 64, 7168, 8, 4096, true, 4};
+  const auto p = epmoe::layout::pool_shape_for(s, 2048, 128);
+  EXPECT_EQ(p.num_ranks, 2);
+  EXPECT_EQ(p.experts_per_rank, 32);
+  EXPECT_EQ(p.hidden, 7168);
+  EXPECT_EQ(p.intermediate, 2048);
+  EXPECT_EQ(p.topk, 8);
+  EXPECT_EQ(p.max_tokens, 4096);
+  EXPECT_EQ(p.row_align, 128);
+  EXPECT_TRUE(p.fp8);
+  // Worst case fits: every token of every rank to K distinct local experts, plus padding.
+  const epmoe::layout::ExpertPoolLayout pl{p};
+  EXPECT_GE(pl.max_rows(), int64_t(2) * 4096 * 8 + 32 * 127);
+}
+
+}  // namespace

@@ -1,0 +1,103 @@
+// The launcher on the CPU: ranks run in forked children, failures and hangs fail the run with the
+// rank's message, and no child survives the call.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "epmoe/launcher.h"
+
+namespace {
+
+epmoe::LaunchOptions cpu_options(int ranks, double timeout_s) {
+  epmoe::LaunchOptions o;
+  o.num_ranks = ranks;
+  o.timeout_seconds = timeout_s;
+  o.set_device = false;  // CPU-only test: never touch CUDA
+  return o;
+}
+
+TEST(Launcher, AllRanksSucceed) {
+  const auto r = epmoe::launch_ranks(cpu_options(3, 30), [](const epmoe::RankContext& c) {
+    if (c.size != 3) return epmoe::Status(epmoe::StatusCode::kInternal, "wrong size");
+    return epmoe::Status::Ok();
+  });
+  EXPECT_TRUE(r.ok) << r.message;
+  ASSERT_EQ(r.ranks.size(), 3u);
+  for (const auto& o : r.ranks) EXPECT_EQ(o.exit_code, 0);
+}
+
+TEST(Launcher, SameUniqueIdInEveryRank) {
+  // Each rank checks the id bytes against what rank 0 would see: all children get one copy.
+  const auto r = epmoe::launch_ranks(cpu_options(2, 30), [](const epmoe::RankContext& c) {
+    unsigned sum = 0;
+    for (char ch : c.id.internal) sum += static_cast<unsigned char>(ch);
+    return sum == 0 ? epmoe::Status(epmoe::StatusCode::kInternal, "empty unique id") : epmoe::Status::Ok();
+  });
+  EXPECT_TRUE(r.ok) << r.message;
+}
+
+TEST(Launcher, FailingRankFailsRunWithItsMessageAndKillsTheOthers) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = epmoe::launch_ranks(cpu_options(2, 60), [](const epmoe::RankContext& c) {
+    if (c.rank == 1) return epmoe::Status(epmoe::StatusCode::kInvalidArgument, "rank one says no");
+    std::this_thread::sleep_for(std::chrono::seconds(50));  // would hang the run without the kill
+    return epmoe::Status::Ok();
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("rank one says no"), std::string::npos) << r.message;
+  EXPECT_EQ(r.message.rfind("rank 1", 0), 0u) << "the failing rank comes first: " << r.message;
+  EXPECT_LT(s, 20.0);
+  EXPECT_FALSE(r.ranks[0].finished);
+}
+
+TEST(Launcher, HangingRankHitsTheTimeLimit) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = epmoe::launch_ranks(cpu_options(2, 1.0), [](const epmoe::RankContext& c) {
+    if (c.rank == 0) pause();  // never returns on its own
+    return epmoe::Status::Ok();
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("did not finish"), std::string::npos) << r.message;
+  EXPECT_LT(s, 10.0);
+  // The killed child was reaped: its pid is gone.
+  EXPECT_FALSE(r.ranks[0].finished);
+}
+
+TEST(Launcher, CrashingRankReportsItsSignal) {
+  const auto r = epmoe::launch_ranks(cpu_options(2, 30), [](const epmoe::RankContext& c) {
+    if (c.rank == 0) std::abort();
+    return epmoe::Status::Ok();
+  });
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("signal"), std::string::npos) << r.message;
+}
+
+TEST(Launcher, ExceptionBecomesAMessage) {
+  const auto r = epmoe::launch_ranks(cpu_options(1, 30), [](const epmoe::RankContext&) -> epmoe::Status {
+    throw std::runtime_error("boom");
+  });
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("boom"), std::string::npos) << r.message;
+}
+
+TEST(Launcher, RejectsZeroRanks) {
+  const auto r = epmoe::launch_ranks(cpu_options(0, 30), [](const epmoe::RankContext&) { return epmoe::Status::Ok(); });
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("num_ranks"), std::string::npos);
+}
+
+TEST(Launcher, ParsesRanksFlag) {
+  EXPECT_EQ(epmoe::parse_ranks_flag({}, 2), 2);
+  EXPECT_EQ(epmoe::parse_ranks_flag({"--ranks", "4"}, 2), 4);
+  EXPECT_EQ(epmoe::parse_ranks_flag({"--x", "--ranks=8"}, 2), 8);
+  EXPECT_EQ(epmoe::parse_ranks_flag({"--ranks", "two"}, 2), -1);
+  EXPECT_EQ(epmoe::parse_ranks_flag({"--ranks", "0"}, 2), -1);
+}
+
+}  // namespace
