@@ -31,9 +31,10 @@ step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
 step mgpu_tests 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1
 step python_binding 300 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so"
 if [ "$mode" = full ]; then
-  step bench_gemm 240 "$bin/epmoe-bench" gemm
+  step bench_layer_fp8 240 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 1,8,128,1024,4096,8192
+  step bench_layer_bf16 150 "$bin/epmoe-bench" layer --path pipeline,fused --dtype bf16 --tokens 128,4096
   step bench_comm 180 "$bin/epmoe-bench" comm
-  step bench_layer 240 "$bin/epmoe-bench" layer --path fused,pipeline
+  step bench_gemm 240 "$bin/epmoe-bench" gemm
 fi
 echo "==== summary ($mode) ===="
 printf '%s\n' "${summary[@]}" | tee "$out/summary.log"

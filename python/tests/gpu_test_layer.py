@@ -5,6 +5,12 @@ implementation of SPEC.md, on 2 (or more) GPUs of one node, with a CUDA-graph ca
     python python/tests/gpu_test_layer.py [--nproc 2]      # spawns the ranks itself
 
 Needs torch with CUDA. Without torch or with fewer than 2 GPUs it prints SKIPPED and exits 0.
+The reference follows SPEC.md step by step on the CPU (steps 1 and 5 bit-exact, GEMMs in
+float64), so the tolerances are SPEC's own: 1e-2 (FP8) and 5e-3 (BF16).
+Never hangs: an exception in any step makes that rank exit with status 1 at once (the others are
+stopped by the launcher), and a watchdog ends every rank with status 1 after --timeout seconds
+(default $EPMOE_TEST_TIMEOUT or 180), printing every thread's stack. JAX is confined to the
+rank's own GPU and runs last; where it cannot be confined its check is a SKIP.
 The library comes from the installed package, or from $EPMOE_LIBRARY (a prebuilt
 libepmoe_c.so) with python/ put on sys.path by this script. Rank 0 prints one line per check and
 a closing 'N passed, N failed' line; the exit status is nonzero on any failure.
@@ -32,74 +38,128 @@ except ImportError:
 
 SCALE_GROUP = 128
 E4M3_MAX = 448.0
+MIN_AMAX = 1e-4
+
+# Set by run(): this rank's GPU. Every tensor a collective touches lives there, whatever device
+# another library (JAX) left current.
+DEVICE = None
 
 
-# ---- the reference: SPEC.md in plain PyTorch --------------------------------------------------------
+# ---- the reference: SPEC.md in plain PyTorch, on the CPU --------------------------------------------
+#
+# Bit-exact to SPEC steps 1 and 5 as tests/reference/reference.cpp performs them, with the GEMMs in
+# float64. Everything runs on the CPU: no TF32, no fast-math, and no "divide by a scalar =
+# multiply by its reciprocal" shortcut (torch's CUDA division takes it for a CPU scalar divisor,
+# and 1/448 is not exact). Every fp32 division below is tensor / tensor of the same shape.
+
+def _f32(v):
+    import torch
+    return v.detach().to("cpu", torch.float32)
+
+
+def e4m3_rne_satfinite(v):
+    """fp32 -> the nearest e4m3 value, ties to even, |v| >= 448 saturating to +-448 (satfinite).
+    torch's float8_e4m3fn cast rounds to nearest even but turns overflow into NaN, hence the
+    clamp first (a value in (448, 464) rounds to 448 either way). Returns fp32."""
+    import torch
+    return torch.clamp(v, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def quant_scale(amax, pow2: bool):
+    """s = max(amax, 1e-4) / 448 in fp32 with a true division; with pow2, rounded up to a power
+    of two (a power of two stays; as numeric.cpp: frexp mantissa 0.5 means exact)."""
+    import torch
+    s = torch.maximum(amax, torch.full_like(amax, MIN_AMAX)) / torch.full_like(amax, E4M3_MAX)
+    if pow2:
+        mant, ex = torch.frexp(s)
+        up = torch.ldexp(torch.ones_like(s), ex)
+        s = torch.where(torch.isfinite(s) & (mant != 0.5), up, s)
+    return s
+
 
 def quant_1x128(v, pow2: bool):
-    """SPEC step 1 / 5 on the last dimension: per 128-group scale, e4m3 RNE with saturation.
-    Returns the dequantized values (float32)."""
-    import torch
+    """SPEC step 1 / 5 on the last dimension of fp32 `v` (CPU): per 128-group scale,
+    q = e4m3_rne_satfinite(v / s), returns the dequantized q * s in float64 (exact)."""
     shape = v.shape
-    g = v.float().reshape(*shape[:-1], shape[-1] // SCALE_GROUP, SCALE_GROUP)
-    amax = g.abs().amax(dim=-1, keepdim=True)
-    s = torch.clamp(amax, min=1e-4) / E4M3_MAX
-    if pow2:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    q = torch.clamp(g / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * s).reshape(shape)
+    g = v.reshape(*shape[:-1], shape[-1] // SCALE_GROUP, SCALE_GROUP)
+    s = quant_scale(g.abs().amax(dim=-1, keepdim=True), pow2).expand_as(g).contiguous()
+    q = e4m3_rne_satfinite(g / s)
+    return (q.double() * s.double()).reshape(shape)
+
+
+def silu_f32(g):
+    """g / (1 + exp(-g)) in fp32; exp evaluated in float64 and rounded (= a correctly rounded
+    expf, as the C++ reference's libm expf). g < -88: exp is inf, the result -0."""
+    import torch
+    e = torch.exp((-g).double()).float()
+    return g / (e + 1.0)
 
 
 def reference(cfg, x, idx, wts, w1, w2):
-    """y[T,H] bf16 of SPEC.md. w1 [E, 2I, H] and w2 [E, H, I] are the (dequantized) float64
-    weights of all experts; x bf16, idx int32, wts fp32 are this rank's inputs."""
+    """y[T,H] bf16 (on the CPU) of SPEC.md. w1 [E, 2I, H] and w2 [E, H, I] are the dequantized
+    float64 weights of all experts on the CPU; x bf16, idx int32, wts fp32 are this rank's
+    inputs (any device)."""
     import torch
+    x, idx, wts = _f32(x), idx.detach().to("cpu", torch.int64), _f32(wts)
     t_count, h = x.shape
+    k_count = idx.shape[1] if idx.dim() == 2 else cfg["topk"]
     inter = cfg["intermediate"]
     fp8 = cfg["dtype"] == "fp8"
-    clamp = cfg.get("activation_clamp") or 0.0
-    xh = quant_1x128(x, False) if fp8 else x.float()
-    acc = torch.zeros(t_count, h, dtype=torch.float32, device=x.device)
+    pow2 = bool(cfg.get("pow2_scales", False))
+    clamp = float(cfg.get("activation_clamp") or 0.0)
+    # Step 1: x^ (float64, exact).
+    xh = quant_1x128(x, pow2) if fp8 else x.double()
+    o_all = torch.zeros(t_count, k_count, h, dtype=torch.float32)  # o[t,k]: bf16 values in fp32
     for e in range(w1.shape[0]):
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        hid = xh[tok].double() @ w1[e].T                      # [n, 2I], fp64 accumulation
+        # Step 2: float64 GEMM, the result rounded to fp32.
+        hid = (xh[tok] @ w1[e].T).float()                      # [n, 2I]
         gate, up = hid[:, :inter], hid[:, inter:]
+        # Step 3: the clamp, in fp32.
         if clamp > 0:
-            up = up.clamp(-clamp, clamp)
-            gate = gate.clamp(max=clamp)
-        a = (torch.nn.functional.silu(gate) * up).float() * wts[tok, slot][:, None]
-        ah = quant_1x128(a, False) if fp8 else a.bfloat16().float()
-        o = (ah.double() @ w2[e].T).bfloat16()                # [n, H], the vector sent back
-        acc.index_add_(0, tok, o.float())
+            c = torch.tensor(clamp, dtype=torch.float32)
+            gate = torch.minimum(gate, c)
+            up = torch.maximum(torch.minimum(up, c), -c)
+        # Step 4: a = (silu(gate) * up) * w, each product rounded to fp32.
+        a = (silu_f32(gate) * up) * wts[tok, slot][:, None]
+        # Step 5: a^ (float64, exact).
+        ah = quant_1x128(a, pow2) if fp8 else a.bfloat16().double()
+        # Step 6: float64 GEMM, rounded to fp32, then to bf16.
+        o = (ah @ w2[e].T).float().bfloat16().float()          # [n, H]
+        o_all[tok, slot] = o
+    # Step 7: fp32 sum over the valid slots in slot order, then bf16 (0 without a valid slot).
+    acc = torch.zeros(t_count, h, dtype=torch.float32)
+    for k in range(k_count):
+        acc = torch.where((idx[:, k] >= 0)[:, None], acc + o_all[:, k], acc)
     return acc.bfloat16()
 
 
 def make_weights(cfg, gen, device):
     """All experts' weights, identical on every rank (same seed). Returns (w1_q, w1_s, w2_q, w2_s)
-    in the library's input layout and the dequantized float64 copies for the reference."""
+    in the library's input layout on `device` and the exactly dequantized float64 copies for the
+    reference, on the CPU."""
     import torch
     e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
     w1 = torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5
     w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
     if cfg["dtype"] == "bf16":
         w1, w2 = w1.bfloat16(), w2.bfloat16()
-        return (w1.to(device), None, w2.to(device), None), (w1.double().to(device),
-                                                             w2.double().to(device))
+        return (w1.to(device), None, w2.to(device), None), (w1.double(), w2.double())
 
     def block_quant(w):  # 128x128 blocks over the last two dims
         en, rows, cols = w.shape
         b = w.reshape(en, rows // 128, 128, cols // 128, 128)
         s = b.abs().amax(dim=(2, 4)).clamp(min=1e-8) / E4M3_MAX  # [E, rows/128, cols/128]
         q = (b / s[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        deq = (q.float() * s[:, :, None, :, None]).reshape(en, rows, cols)
-        return q.reshape(en, rows, cols), s.float(), deq.double()
+        s = s.float()
+        deq = (q.double() * s.double()[:, :, None, :, None]).reshape(en, rows, cols)  # exact
+        return q.reshape(en, rows, cols), s, deq
 
     w1q, w1s, w1d = block_quant(w1)
     w2q, w2s, w2d = block_quant(w2)
-    return ((w1q.to(device), w1s.to(device), w2q.to(device), w2s.to(device)),
-            (w1d.to(device), w2d.to(device)))
+    return ((w1q.to(device), w1s.to(device), w2q.to(device), w2s.to(device)), (w1d, w2d))
 
 
 def make_inputs(cfg, t_count, gen, device, masked_frac=0.15):
@@ -116,9 +176,11 @@ def make_inputs(cfg, t_count, gen, device, masked_frac=0.15):
 
 
 def rel_err(y, ref):
+    """||y - ref|| / ||ref|| in float64 on the CPU."""
     import torch
-    num = torch.linalg.vector_norm((y.float() - ref.float()).double())
-    den = torch.linalg.vector_norm(ref.float().double())
+    y, ref = y.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
+    num = torch.linalg.vector_norm(y - ref)
+    den = torch.linalg.vector_norm(ref)
     return float(num / den) if den > 0 else float(num)
 
 
@@ -141,13 +203,25 @@ class Results:
         print(self.lines[-1], flush=True)
 
 
-def agree(flag):
-    """True on every rank only if `flag` is true on every rank (a collective)."""
+def agree_max(code: int) -> int:
+    """The largest `code` over all ranks (a collective: every rank must call it, in the same
+    order). The tensor is made on this rank's GPU explicitly, never on the current device."""
     import torch
     import torch.distributed as dist
-    t = torch.tensor([0 if flag else 1], device="cuda")
-    dist.all_reduce(t)
-    return int(t.item()) == 0
+    t = torch.tensor([int(code)], dtype=torch.int32, device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def agree(flag):
+    """True on every rank only if `flag` is true on every rank (a collective)."""
+    return agree_max(0 if flag else 1) == 0
+
+
+def restore_device():
+    """Make this rank's GPU current again (JAX, for one, may leave another one current)."""
+    import torch
+    torch.cuda.set_device(DEVICE)
 
 
 def check_layer(res, cfg, rank, world, device, paths):
@@ -164,12 +238,14 @@ def check_layer(res, cfg, rank, world, device, paths):
 
     layer = epmoe.Layer(None, cfg["num_experts"], cfg["hidden"], cfg["intermediate"], cfg["topk"],
                         cfg["max_tokens_per_rank"], dtype=cfg["dtype"],
-                        activation_clamp=cfg.get("activation_clamp"))
+                        activation_clamp=cfg.get("activation_clamp"),
+                        pow2_scales=bool(cfg.get("pow2_scales", False)))
     layer.load_weights(w1[lo:hi], None if w1s is None else w1s[lo:hi], w2[lo:hi],
                        None if w2s is None else w2s[lo:hi])
     res.record(f"layer create + load_weights ({tag})", True)
 
     gen = torch.Generator().manual_seed(100 + rank)
+    ok_paths = []
     for path in paths:
         unsupported = False
         # Token counts differ per rank; one round has T=0 on rank 0.
@@ -199,7 +275,7 @@ def check_layer(res, cfg, rank, world, device, paths):
         if unsupported:
             continue
         # The default: out allocated by the binding, stream from torch.
-        x, idx, wts = make_inputs(cfg, 9, gen, device)
+        x, idx, wts = make_inputs(cfg, 24 + rank, gen, device)
         y = layer(x, idx, wts, path=path)
         torch.cuda.synchronize()
         err = rel_err(y, reference(cfg, x, idx, wts, w1d, w2d))
@@ -207,36 +283,82 @@ def check_layer(res, cfg, rank, world, device, paths):
                    f"rel_err={err:.2e}")
         check_graph(res, layer, cfg, rank, device, path, tol, w1d, w2d, gen)
         check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen)
-        check_jax(res, layer, cfg, device, path, tol, w1d, w2d, gen)
-    return layer
+        ok_paths.append(path)
+    # The JAX checks run last (see run()): starting JAX's GPU backend may change the current
+    # device and takes GPU memory, so it must not come before anything else.
+    return dict(layer=layer, cfg=cfg, tol=tol, w1d=w1d, w2d=w2d, paths=ok_paths)
 
 
-def check_jax(res, layer, cfg, device, path, tol, w1d, w2d, gen):
-    """JAX arrays as inputs (out is a torch tensor: JAX arrays are immutable)."""
-    import torch
+def jax_device(local_rank):
+    """This rank's GPU as a JAX device, or (None, why) when JAX cannot be confined to it.
+
+    JAX is told to use only that GPU (JAX_CUDA_VISIBLE_DEVICES, set before jax is imported,
+    and jax_cuda_visible_devices, which counts while the backend has not started): otherwise
+    every rank's JAX opens every GPU and may leave another one current. The device is then
+    picked by its hardware ordinal, never by position."""
+    import jax
     try:
+        jax.config.update("jax_cuda_visible_devices", str(local_rank))
+    except Exception:  # an older JAX, or the backend already up: the checks below decide
+        pass
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        return None, f"JAX has no GPU backend ({e})"
+    mine = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == local_rank]
+    if len(mine) != 1:
+        seen = [(d.id, getattr(d, "local_hardware_id", None)) for d in gpus]
+        return None, (f"cannot confine JAX to cuda:{local_rank}: its GPUs (id, hardware id) "
+                      f"are {seen}")
+    return mine[0], None
+
+
+def check_jax(res, entry, device, path, gen):
+    """JAX arrays as inputs (out is a torch tensor: JAX arrays are immutable). Every rank takes
+    part in every agreement whatever happens locally; the torch device is restored after each
+    use of JAX."""
+    import torch
+    layer, cfg, tol = entry["layer"], entry["cfg"], entry["tol"]
+    name = f"jax inputs path={path} ({cfg['dtype']})"
+    OK, SKIP, FAIL = 0, 1, 2
+    code, why = OK, ""
+    x, idx, wts = make_inputs(cfg, 29, gen, device)
+    torch.cuda.synchronize()
+    jargs = None
+    try:
+        import jax
         import jax.numpy as jnp
     except ImportError:
-        agree(False)
-        res.record(f"jax inputs path={path}", None, "jax not installed")
-        return
-    if not agree(True):
-        return
-    x, idx, wts = make_inputs(cfg, 13, gen, device)
-    torch.cuda.synchronize()
-    try:
-        jx, jidx, jwts = jnp.from_dlpack(x), jnp.from_dlpack(idx), jnp.from_dlpack(wts)
-        problem = None
-    except Exception as e:
-        problem = f"jnp.from_dlpack: {type(e).__name__}: {e}"
-    if not agree(problem is None):  # forward is collective: all ranks call it, or none
-        res.record(f"jax inputs path={path}", False, problem or "a peer could not convert")
+        code, why = SKIP, "jax not installed"
+    if code == OK:
+        try:
+            jdev, why = jax_device(device.index)
+            if jdev is None:
+                code = SKIP
+            else:
+                jargs = tuple(jax.device_put(jnp.from_dlpack(t), jdev) for t in (x, idx, wts))
+                where = [a.devices() for a in jargs]
+                if any(d != {jdev} for d in where):
+                    code, why = SKIP, f"JAX put the inputs on {where}, not on {jdev}"
+        except Exception as e:
+            code, why = FAIL, f"JAX device / jnp.from_dlpack: {type(e).__name__}: {e}"
+        finally:
+            restore_device()
+    worst = agree_max(code)  # forward is collective: all ranks call it, or none
+    if worst != OK:
+        if code != OK:
+            res.record(name, None if code == SKIP else False, why)
+        else:
+            res.record(name, None if worst == SKIP else False, "skipped on a peer")
         return
     y = torch.full_like(x, float("nan"))
-    layer(jx, jidx, jwts, out=y, path=path)
-    torch.cuda.synchronize()
-    err = rel_err(y, reference(cfg, x, idx, wts, w1d, w2d))
-    res.record(f"jax inputs path={path}", err <= tol, f"rel_err={err:.2e}")
+    try:
+        layer(*jargs, out=y, path=path)
+        torch.cuda.synchronize()
+    finally:
+        restore_device()
+    err = rel_err(y, reference(cfg, x, idx, wts, entry["w1d"], entry["w2d"]))
+    res.record(name, bool(torch.isfinite(y.float()).all()) and err <= tol, f"rel_err={err:.2e}")
 
 
 def check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen):
@@ -250,12 +372,13 @@ def check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen):
         return
     if not agree(True):
         return
-    x, idx, wts = make_inputs(cfg, 11, gen, device)
+    x, idx, wts = make_inputs(cfg, 27, gen, device)
     torch.cuda.synchronize()
     with cupy.cuda.Device(device.index):
         cx = cupy.from_dlpack(x.view(torch.int16))
         y = layer(cx, cupy.from_dlpack(idx), cupy.from_dlpack(wts), path=path)
         cupy.cuda.get_current_stream().synchronize()
+    restore_device()
     ty = torch.from_dlpack(y).view(torch.bfloat16)
     err = rel_err(ty, reference(cfg, x, idx, wts, w1d, w2d))
     res.record(f"cupy inputs, out=None path={path}",
@@ -370,70 +493,94 @@ def check_dispatcher(res, rank, world, device):
                f"rel_err={err:.2e} pool_rows={rows}")
 
 
-def run(rank, world, local_rank):
+def abort(res, what):
+    """After an exception the ranks may be out of step in their collectives, and a peer may
+    already wait in one for ever: never go on. Exit non-zero at once; the launcher (torchrun,
+    mp.spawn) then stops the other ranks, and their own watchdog stops them in any case."""
+    print(f"[rank {res.rank}] ABORT after {what}: {res.passed} passed, {res.failed} failed "
+          f"so far on this rank; exiting with status 1", flush=True)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def run(rank, world, local_rank, timeout):
+    global DEVICE
+    # The watchdog: whatever hangs (a collective whose peer died, a stuck kernel), this rank
+    # prints every thread's stack and exits with status 1 after `timeout` seconds.
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(local_rank)  # before jax is imported
     import torch
     import torch.distributed as dist
     import epmoe
 
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    device = torch.device("cuda", local_rank)
+    DEVICE = device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
     res = Results(rank)
     if rank == 0:
         print(f"epmoe {epmoe.version()} from {epmoe.library_path()}, NCCL code "
               f"{epmoe.nccl_version()}, torch {torch.__version__}, {world} ranks", flush=True)
     paths = [p for p in os.environ.get("EPMOE_TEST_PATHS", "pipeline,fused").split(",") if p]
     configs = [
-        dict(dtype="fp8", num_experts=4 * world, hidden=256, intermediate=256, topk=4,
+        dict(dtype="fp8", num_experts=4 * world, hidden=512, intermediate=256, topk=4,
              max_tokens_per_rank=96),
         dict(dtype="bf16", num_experts=2 * world, hidden=384, intermediate=128, topk=2,
              max_tokens_per_rank=64, activation_clamp=0.5),
     ]
-    steps = [(f"layer {c['dtype']}", lambda c=c: check_layer(res, c, rank, world, device, paths))
-             for c in configs]
-    layer_holder = {}
-    for name, step in steps:
+
+    def step(name, fn):
+        """Runs one step on every rank; an exception anywhere ends the run (see abort)."""
+        restore_device()
         try:
-            layer_holder["last"] = step()
+            return fn()
         except Exception as e:
             res.record(name, False, f"{type(e).__name__}: {e}")
             traceback.print_exc()
-    if "last" in layer_holder:
-        try:
-            check_errors(res, layer_holder["last"], configs[-1], rank, device, "pipeline")
-        except Exception as e:
-            res.record("errors", False, f"{type(e).__name__}: {e}")
-            traceback.print_exc()
-    try:
-        check_dispatcher(res, rank, world, device)
-    except Exception as e:
-        res.record("dispatcher", False, f"{type(e).__name__}: {e}")
-        traceback.print_exc()
+            abort(res, f"an exception in step '{name}'")
 
+    entries = [step(f"layer {c['dtype']}", lambda c=c: check_layer(res, c, rank, world, device,
+                                                                     paths))
+               for c in configs]
+    step("errors", lambda: check_errors(res, entries[-1]["layer"], configs[-1], rank, device,
+                                        "pipeline"))
+    step("dispatcher", lambda: check_dispatcher(res, rank, world, device))
+    # JAX last: starting its GPU backend is the one thing here that touches the current device.
+    gen = torch.Generator().manual_seed(300 + rank)
+    for entry in entries:
+        for path in entry["paths"]:
+            step(f"jax path={path}", lambda e=entry, p=path: check_jax(res, e, device, p, gen))
+
+    restore_device()
     totals = torch.tensor([res.passed, res.failed, res.skipped], device=device)
     dist.all_reduce(totals)
-    dist.barrier()
+    dist.barrier(device_ids=[local_rank])
     if rank == 0:
         p, f, s = (int(v) for v in totals.tolist())
         print(f"gpu_test_layer: {p} passed, {f} failed, {s} skipped", flush=True)
     failed = int(totals[1].item())
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
     return failed
 
 
-def _spawned(local_rank, world, port):
+def _spawned(local_rank, world, port, timeout):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if run(local_rank, world, local_rank):
-        sys.exit(1)
+    if run(local_rank, world, local_rank, timeout):
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
-    ap.add_argument("--timeout", type=float, default=300, help="abort after this many seconds")
+    ap.add_argument("--timeout", type=float,
+                    default=float(os.environ.get("EPMOE_TEST_TIMEOUT", "180")),
+                    help="each rank exits with status 1 after this many seconds "
+                         "(default $EPMOE_TEST_TIMEOUT or 180)")
     args = ap.parse_args()
-    faulthandler.dump_traceback_later(args.timeout, exit=True)
+    # The launching process gets a little longer than the ranks, so that their stacks print.
+    faulthandler.dump_traceback_later(args.timeout + 30, exit=True)
     try:
         import torch
     except ImportError:
@@ -445,7 +592,7 @@ def main():
         return 0
     if "RANK" in os.environ:  # under torchrun
         return 1 if run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                        int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))) else 0
+                        int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), args.timeout) else 0
     import socket
     import torch.multiprocessing as mp
     world = min(args.nproc, torch.cuda.device_count())
@@ -453,7 +600,7 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.spawn(_spawned, args=(world, port), nprocs=world, join=True)
+        mp.spawn(_spawned, args=(world, port, args.timeout), nprocs=world, join=True)
     except mp.ProcessRaisedException as e:
         print(f"FAILED: {e}")
         return 1
