@@ -14,4 +14,6 @@ done
 if [ -f "$build/python/libepmoe_c.so" ]; then
   cp "$build/python/libepmoe_c.so" .gpu/bin/ && strip --strip-debug .gpu/bin/libepmoe_c.so
 fi
+# The Python package as a wheel (py3-none: no CPython ABI), so the GPU run tests the installed package.
+python3 -m pip wheel -q --no-deps -w .gpu/bin ./python >/dev/null 2>&1 || echo "stage_gpu: python wheel build failed"
 du -sh .gpu/bin
