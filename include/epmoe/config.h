@@ -30,6 +30,10 @@ struct LayerConfig {
   DType dtype = DType::kFP8;
   float activation_clamp = 0.f;  ///< c; <= 0 disables the clamp. Must be finite.
   bool pow2_scales = false;      ///< Round FP8 activation scales up to a power of two.
+  /// Bound of every device-side wait for a peer, in seconds, (0, 3600]. A wait that expires prints
+  /// who waited on what and traps: the CUDA context is lost, so this is a last resort against
+  /// hangs, and it must exceed the longest time one rank's host may lag behind the others.
+  double timeout_seconds = 10.0;
 
   int experts_per_rank() const { return num_ranks > 0 ? num_experts / num_ranks : 0; }
 };
@@ -48,7 +52,8 @@ struct Limits {
 Status validate(const LayerConfig& cfg);
 
 /// Checks the per-call arguments that the host knows without reading device memory:
-/// the token count against T_max, and that the pointers needed for `num_tokens` are set.
+/// the token count against T_max, that the pointers needed for `num_tokens` are set, and their
+/// alignment (x and y 16 bytes, topk_idx and topk_weights 4 bytes).
 Status validate_call(const LayerConfig& cfg, int64_t num_tokens, const void* x,
                      const void* topk_idx, const void* topk_weights, const void* y);
 

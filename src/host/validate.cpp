@@ -1,4 +1,5 @@
 #include <cmath>
+#include <cstdint>
 
 #include "epmoe/config.h"
 #include "host/check.h"
@@ -33,6 +34,8 @@ Status validate(const LayerConfig& c) {
     return invalid("dtype=", static_cast<int>(c.dtype), " is not a supported dtype (kFP8, kBF16)");
   if (!std::isfinite(c.activation_clamp))
     return invalid("activation_clamp=", c.activation_clamp, " must be finite (<= 0 disables it)");
+  if (!(c.timeout_seconds > 0 && c.timeout_seconds <= 3600))
+    return invalid("timeout_seconds=", c.timeout_seconds, " must be in (0, 3600]");
   return Status::Ok();
 }
 
@@ -46,6 +49,12 @@ Status validate_call(const LayerConfig& c, int64_t num_tokens, const void* x, co
     if (!topk_idx) return invalid("topk_idx is null with num_tokens=", num_tokens);
     if (!topk_weights) return invalid("topk_weights is null with num_tokens=", num_tokens);
     if (!y) return invalid("y is null with num_tokens=", num_tokens);
+    // Why: the kernels move rows of x and y as 16-byte vectors and routing entries as words.
+    auto misaligned = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) != 0; };
+    if (misaligned(x, 16)) return invalid("x=", x, " must be 16-byte aligned");
+    if (misaligned(y, 16)) return invalid("y=", y, " must be 16-byte aligned");
+    if (misaligned(topk_idx, 4)) return invalid("topk_idx=", topk_idx, " must be 4-byte aligned");
+    if (misaligned(topk_weights, 4)) return invalid("topk_weights=", topk_weights, " must be 4-byte aligned");
   }
   return Status::Ok();
 }

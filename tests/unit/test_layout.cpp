@@ -16,12 +16,13 @@ ExpertPoolShape dsv3(bool fp8) { return {2, 32, 7168, 2048, 8, 4096, 128, fp8}; 
 
 TEST(ExpertPool, CapacityCoversWorstCaseRouting) {
   ExpertPoolLayout L{dsv3(true)};
-  // Every token of both ranks reaches min(K, E_loc) = 8 local experts, plus a partial block per expert.
+  // Every slot of every token of both ranks may name a local expert, plus padding per expert
+  // (32 * 127 rows, rounded up to a whole block).
   EXPECT_EQ(L.max_rows(), 2 * 4096 * 8 + 32 * 128);
   ExpertPoolShape s = dsv3(true);
-  s.experts_per_rank = 4;  // K > E_loc: a token reaches at most E_loc local experts
+  s.experts_per_rank = 4;  // K > E_loc: a token may still name one expert in several slots
   ExpertPoolLayout small{s};
-  EXPECT_EQ(small.max_rows(), 2 * 4096 * 4 + 4 * 128);
+  EXPECT_EQ(small.max_rows(), 2 * 4096 * 8 + 4 * 128);
   EXPECT_EQ(small.max_rows() % 128, 0);
 }
 
@@ -29,7 +30,7 @@ TEST(ExpertPool, WorstCasePackingFits) {
   // Any split of the rows over experts, each segment rounded up to row_align, fits in max_rows.
   ExpertPoolShape s{3, 5, 256, 128, 4, 37, 64, true};
   ExpertPoolLayout L{s};
-  const int64_t total = int64_t(s.num_ranks) * s.max_tokens * std::min(s.topk, s.experts_per_rank);
+  const int64_t total = int64_t(s.num_ranks) * s.max_tokens * s.topk;
   for (int hot = 0; hot < s.experts_per_rank; ++hot) {
     std::vector<int64_t> count(s.experts_per_rank, 1);
     count[hot] = total - (s.experts_per_rank - 1);

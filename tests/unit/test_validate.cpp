@@ -110,14 +110,14 @@ TEST(Validate, ClampMustBeFinite) {
 
 TEST(ValidateCall, TokenCountAgainstTmax) {
   auto c = good();
-  int dummy = 0;
+  alignas(16) static int dummy[4] = {};
   EXPECT_TRUE(epmoe::validate_call(c, 0, nullptr, nullptr, nullptr, nullptr).ok());
-  EXPECT_TRUE(epmoe::validate_call(c, 4096, &dummy, &dummy, &dummy, &dummy).ok());
-  auto s = epmoe::validate_call(c, 4097, &dummy, &dummy, &dummy, &dummy);
+  EXPECT_TRUE(epmoe::validate_call(c, 4096, dummy, dummy, dummy, dummy).ok());
+  auto s = epmoe::validate_call(c, 4097, dummy, dummy, dummy, dummy);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("num_tokens=4097"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("max_tokens_per_rank=4096"), std::string::npos) << s.message();
-  EXPECT_FALSE(epmoe::validate_call(c, -1, &dummy, &dummy, &dummy, &dummy).ok());
+  EXPECT_FALSE(epmoe::validate_call(c, -1, dummy, dummy, dummy, dummy).ok());
 }
 
 TEST(ValidateCall, NullPointersWithTokens) {
@@ -127,6 +127,30 @@ TEST(ValidateCall, NullPointersWithTokens) {
   EXPECT_NE(epmoe::validate_call(c, 3, &d, nullptr, &d, &d).message().find("topk_idx"), std::string::npos);
   EXPECT_NE(epmoe::validate_call(c, 3, &d, &d, nullptr, &d).message().find("topk_weights"), std::string::npos);
   EXPECT_NE(epmoe::validate_call(c, 3, &d, &d, &d, nullptr).message().find("y is null"), std::string::npos);
+}
+
+TEST(ValidateCall, AlignmentOfPointers) {
+  auto c = good();
+  alignas(16) static char buf[256];
+  EXPECT_TRUE(epmoe::validate_call(c, 2, buf, buf, buf, buf).ok());
+  auto s = epmoe::validate_call(c, 2, buf + 8, buf, buf, buf);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("x="), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("16-byte"), std::string::npos) << s.message();
+  EXPECT_NE(epmoe::validate_call(c, 2, buf, buf, buf, buf + 4).message().find("y="), std::string::npos);
+  EXPECT_NE(epmoe::validate_call(c, 2, buf, buf + 2, buf, buf).message().find("topk_idx="), std::string::npos);
+  EXPECT_NE(epmoe::validate_call(c, 2, buf, buf, buf + 1, buf).message().find("topk_weights="), std::string::npos);
+  EXPECT_TRUE(epmoe::validate_call(c, 2, buf, buf + 4, buf + 8, buf + 32).ok());
+}
+
+TEST(Validate, TimeoutInRange) {
+  auto c = good();
+  for (double t : {0.0, -1.0, 1e9, std::nan("")}) {
+    c.timeout_seconds = t;
+    expect_invalid(c, "timeout_seconds");
+  }
+  c.timeout_seconds = 0.5;
+  EXPECT_TRUE(epmoe::validate(c).ok());
 }
 
 TEST(ValidateRouting, IndexOutOfRangeNamed) {

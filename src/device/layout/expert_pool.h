@@ -27,11 +27,11 @@ struct ExpertPoolShape {
 struct ExpertPoolLayout {
   ExpertPoolShape s;
 
-  // Why this bound: a token reaches at most min(K, E_loc) local experts, every rank may route all
-  // its tokens here, and each expert segment may waste up to row_align-1 rows of padding.
+  // Why this bound: a token owns K slots and any of them may name a local expert (SPEC allows
+  // any routing, an expert named twice included), every rank may route all its tokens here, and
+  // each expert segment may waste up to row_align-1 rows of padding.
   EPMOE_HD int64_t max_rows() const {
-    int64_t per_token = s.topk < s.experts_per_rank ? s.topk : s.experts_per_rank;
-    int64_t rows = int64_t(s.num_ranks) * s.max_tokens * per_token +
+    int64_t rows = int64_t(s.num_ranks) * s.max_tokens * s.topk +
                    int64_t(s.experts_per_rank) * (s.row_align - 1);
     return round_up<int64_t>(rows, s.row_align);
   }
