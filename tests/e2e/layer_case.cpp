@@ -154,6 +154,7 @@ std::string LayerCase::describe() const {
   if (graph) os << "/graph";
   if (clamp > 0) os << "/clamp=" << clamp;
   if (pow2_scales) os << "/pow2";
+  if (duplicate_experts) os << "/dup_experts";
   return os.str();
 }
 
@@ -180,7 +181,13 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
   cudaGraphExec_t graph_exec = nullptr;
   for (int call = 0; call < c.calls; ++call) {
     const uint64_t call_seed = ref::mix_seed(seed, 2, call);
-    const std::vector<ref::RankInput> inputs = ref::make_problem_inputs(p, c.routing, c.tokens, call_seed);
+    std::vector<ref::RankInput> inputs = ref::make_problem_inputs(p, c.routing, c.tokens, call_seed);
+    if (c.duplicate_experts && p.K >= 2) {
+      // SPEC allows any routing: an expert named twice is computed twice.
+      for (auto& in : inputs)
+        for (int t = 0; t < in.T; t += 3)
+          if (in.topk_idx[int64_t(t) * p.K] >= 0) in.topk_idx[int64_t(t) * p.K + 1] = in.topk_idx[int64_t(t) * p.K];
+    }
     E2E_OK(buf.upload(inputs[rank], p));
     E2E_OK(buf.poison(p, stream));
     if (c.graph) {

@@ -33,6 +33,7 @@ struct LayerCase {
   bool graph = false;           // capture one forward in a CUDA graph and replay it
   float clamp = 0.f;
   bool pow2_scales = false;
+  bool duplicate_experts = false;  // every third token names its slot-0 expert again in slot 1
   Path path = Path::kPipeline;
   std::string describe() const;
 };

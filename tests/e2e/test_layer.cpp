@@ -54,6 +54,11 @@ TEST(LayerE2E, AllTokensToOneRank) { run_case(make(kQwen3, DType::kFP8, Routing:
 TEST(LayerE2E, MaskedSlots) { run_case(make(kQwen3, DType::kFP8, Routing::kMasked, {512, 300})); }
 TEST(LayerE2E, MaskedSlotsBf16) { run_case(make(kTop2, DType::kBF16, Routing::kMasked, {512, 300})); }
 TEST(LayerE2E, DuplicateRanks) { run_case(make(kQwen3, DType::kFP8, Routing::kDuplicateRanks, {256, 256})); }
+TEST(LayerE2E, ExpertNamedTwiceInOneToken) {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {256, 256});
+  c.duplicate_experts = true;
+  run_case(c);
+}
 TEST(LayerE2E, ZeroTokensOnOneRank) {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {0, 333});
   c.max_tokens = 512;
