@@ -15,7 +15,8 @@ namespace epmoe {
 inline constexpr int kMaxCommRanks = 8;
 
 /// One allocation that exists on every rank with the same size, reachable from every rank's kernels
-/// over NVLink. Created by Communicator::alloc_symmetric; owned by the Communicator.
+/// over NVLink. Created by Communicator::alloc_symmetric; owned by the Communicator until
+/// Communicator::free_symmetric (or the Communicator's destruction) releases it.
 struct SymmetricBuffer {
   void* local = nullptr;                 ///< this rank's copy (device memory)
   void* peers[kMaxCommRanks] = {};       ///< peers[r]: rank r's copy, mapped into this process
@@ -45,8 +46,15 @@ class Communicator {
 
   /// Allocates `bytes` of symmetric memory on every rank (collective: same sizes, same order on every
   /// rank), zero-filled, with the peer pointers resolved and checked by a write/read-back through
-  /// NVLink. The buffer lives until the Communicator is destroyed.
+  /// NVLink. The buffer lives until free_symmetric() or the Communicator's destruction.
   Status alloc_symmetric(size_t bytes, SymmetricBuffer** out);
+
+  /// Releases a buffer from alloc_symmetric. Collective: every rank calls it for its copy of the same
+  /// buffer, in the same order relative to other collective calls (a rank that never calls it blocks
+  /// the others). Synchronizes this device and barriers across ranks first, so no kernel of any rank
+  /// still touches the memory, then deregisters the NCCL window and frees the memory. `buf` is
+  /// invalid afterwards; null is a no-op. A buffer this Communicator did not allocate is an error.
+  Status free_symmetric(SymmetricBuffer* buf);
 
   /// Host-side barrier over all ranks (an NCCL all-reduce of one word, then a stream sync).
   Status barrier(cudaStream_t stream);

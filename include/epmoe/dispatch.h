@@ -31,7 +31,8 @@ struct DispatchConfig {
   PartialPrecision combine_partials = PartialPrecision::kFloat32;
   int num_blocks = 0;           ///< Blocks of the persistent comm kernels; 0 = automatic (fewer for
                                 ///< small calls, at most one per SM).
-  double timeout_seconds = 10.0;  ///< Bound of every device-side wait for a peer.
+  double timeout_seconds = 10.0;  ///< Bound of every device-side wait for a peer. On expiry the kernel
+                                  ///< prints a diagnostic and traps: fatal to the CUDA context.
 };
 
 /// Device pointers into the expert-major pool that dispatch fills and combine reads
@@ -57,8 +58,11 @@ struct ExpertPoolView {
 /// captured in a CUDA graph. Calls on all ranks must alternate in the same order (dispatch, combine).
 class DispatchHandle {
  public:
-  /// Collective over `comm`. `external_pool` (optional) must hold pool_bytes_for(comm, cfg) bytes of
-  /// device memory; otherwise the handle allocates its own pool.
+  /// Collective over `comm`: every rank must pass the same `cfg` (checked; every rank fails with a
+  /// message naming the differing field and ranks). `external_pool` (optional) must hold
+  /// pool_bytes_for(comm, cfg) bytes of 256-byte aligned device memory; otherwise the handle
+  /// allocates its own pool. The handle's destructor is collective too (it frees symmetric memory):
+  /// destroy it on every rank, before the Communicator.
   static Status create(Communicator& comm, const DispatchConfig& cfg, std::unique_ptr<DispatchHandle>* out,
                        void* external_pool = nullptr);
   static int64_t pool_bytes_for(const Communicator& comm, const DispatchConfig& cfg);
@@ -72,17 +76,20 @@ class DispatchHandle {
   const DispatchConfig& config() const;
   ExpertPoolView pool() const;
 
-  /// x [T][H] bf16, topk_idx [T][K] int32 (each in [-1, E)), topk_weights [T][K] fp32, all device
-  /// memory. Fills the pool's x_pool (+ x_scale), row_weight, row_source, expert_count and
-  /// expert_offset. An index outside [-1, E), or an expert listed twice in one token, masks that
-  /// slot and is reported by check_errors().
+  /// x [T][H] bf16 (16-byte aligned), topk_idx [T][K] int32 (each in [-1, E)), topk_weights [T][K]
+  /// fp32 (both 4-byte aligned), all device memory. Fills the pool's x_pool (+ x_scale), row_weight,
+  /// row_source, expert_count and expert_offset: one row per valid slot, so an expert listed twice in
+  /// one token gets two rows (and counts twice in combine). An index outside [-1, E) masks that slot
+  /// and is reported by check_errors().
   Status dispatch(const void* x, const int32_t* topk_idx, const float* topk_weights, int64_t num_tokens,
                   cudaStream_t stream);
-  /// Reads the pool's o_pool and writes y [T][H] bf16 for the T of the last dispatch:
+  /// Reads the pool's o_pool and writes y [T][H] bf16 (16-byte aligned) for the T of the last dispatch:
   /// y[t] = bf16(sum over the token's valid slots); 0 for a token with none.
   Status combine(void* y, int64_t num_tokens, cudaStream_t stream);
 
-  /// Synchronizes `stream` and reports (then clears) the errors the kernels recorded.
+  /// Synchronizes `stream` and reports (then clears) the errors the kernels recorded. A device-side
+  /// wait that timed out has trapped; that shows up here as the sync's CUDA error (kCudaError), with
+  /// a pointer to the "[epmoe] TIMEOUT" line the kernel printed.
   Status check_errors(cudaStream_t stream);
 
  private:

@@ -23,6 +23,9 @@ class _Owned:
     def __init__(self, handle: int, comm: Communicator):
         self.handle = handle
         self._finalizer = weakref.finalize(self, _destroy, handle, comm)
+        # Why: destroying it is collective (NCCL window deregistration); at interpreter exit a
+        # peer may already be gone, so leave it to process teardown, as Communicator does.
+        self._finalizer.atexit = False
 
     def close(self) -> None:
         self._finalizer()

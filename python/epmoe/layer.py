@@ -60,8 +60,9 @@ class LayerConfig:
         """The library's per-call host checks for `num_tokens` tokens (0 <= T <= T_max)."""
         c = self.to_c()
         t = int_arg("num_tokens", num_tokens)
-        # Non-null stand-ins: only the token count is checked here, pointers are checked per call.
-        p = 1 if t > 0 else None
+        # Non-null, 16-byte aligned stand-ins: only the token count is checked here; real pointers
+        # (null, alignment) are checked per call.
+        p = 256 if t > 0 else None
         _lib.call("epmoe_validate_call", ctypes.byref(c), t, p, p, p, p)
 
     def check_routing(self, topk_idx: Any) -> None:
@@ -140,6 +141,9 @@ class Layer:
         self.comm = comm
         self.device = comm.device
         self._finalizer = weakref.finalize(self, _destroy, self._handle, comm)
+        # Why: destroying it is collective (NCCL window deregistration); at interpreter exit a
+        # peer may already be gone, so leave it to process teardown, as Communicator does.
+        self._finalizer.atexit = False
 
     def __repr__(self) -> str:
         c = self.config

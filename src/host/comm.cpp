@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "epmoe/version.h"
@@ -88,6 +89,36 @@ Status Communicator::init(std::unique_ptr<Impl> impl, std::unique_ptr<Communicat
   EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&impl->scratch), sizeof(int)));
   EPMOE_RETURN_IF_ERROR(detail::create_dev_comm(impl->comm, &impl->dev));
   out->reset(new Communicator(std::move(impl)));
+  return Status::Ok();
+}
+
+Status Communicator::free_symmetric(SymmetricBuffer* buf) {
+  Impl& m = *impl_;
+  if (!buf) return Status::Ok();
+  auto it = m.buffers.begin();
+  while (it != m.buffers.end() && &(*it)->view != buf) ++it;
+  if (it == m.buffers.end())
+    return detail::invalid("free_symmetric: the buffer was not allocated by this Communicator (or was freed already)");
+  Impl::Buffer* b = *it;
+  m.buffers.erase(it);
+  // Why sync and barrier first: our kernels may still be running, and a peer's kernel may still read
+  // or write our copy through NVLink (combine's last flag stores land after we finished).
+  Status st = detail::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize", __FILE__, __LINE__);
+  if (st.ok()) st = barrier(m.stream);
+  if (st.ok() && b->win) {
+    st = detail::nccl_status(ncclCommWindowDeregister(m.comm, b->win), "ncclCommWindowDeregister", __FILE__, __LINE__);
+    if (st.ok()) b->win = nullptr;
+  }
+  if (st.ok() && b->ptr) {
+    st = detail::nccl_status(ncclMemFree(b->ptr), "ncclMemFree", __FILE__, __LINE__);
+    if (st.ok()) b->ptr = nullptr;
+  }
+  if (!st.ok()) {
+    // Not (fully) freed: keep it listed so that the Communicator's destructor tries the rest.
+    m.buffers.push_back(b);
+    return Status(st.code(), "free_symmetric on rank " + std::to_string(m.rank) + ": " + st.message());
+  }
+  delete b;
   return Status::Ok();
 }
 

@@ -3,8 +3,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "device/comm/dispatch_params.h"
 #include "device/comm/status_bits.h"
@@ -24,6 +28,104 @@ layout::ExpertPoolLayout pool_layout(int ranks, const DispatchConfig& c) {
   return layout::ExpertPoolLayout{layout::pool_shape_for(comm_shape(ranks, c), c.intermediate, c.row_align)};
 }
 
+bool misaligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes != 0; }
+
+// The config fields that every rank must agree on (they size the symmetric buffer and decide what
+// the kernels exchange), plus this rank's verdict on its external pool, gathered over NCCL.
+constexpr int kConfigFields = 9;
+constexpr const char* kConfigFieldNames[kConfigFields] = {
+    "num_experts", "hidden", "topk", "max_tokens_per_rank", "row_align", "intermediate", "dtype", "pow2_scales",
+    "combine_partials"};
+
+std::string config_field_value(int field, int64_t v) {
+  switch (field) {
+    case 6: return v == int64_t(DType::kFP8) ? "kFP8" : v == int64_t(DType::kBF16) ? "kBF16" : std::to_string(v);
+    case 7: return v ? "true" : "false";
+    case 8: return v == int64_t(PartialPrecision::kFloat32)    ? "kFloat32"
+                   : v == int64_t(PartialPrecision::kBFloat16) ? "kBFloat16"
+                                                               : std::to_string(v);
+    default: return std::to_string(v);
+  }
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+// Collective (host sync is fine at create). Why before any local check that can fail: a rank that
+// returned early would leave the others blocked in this all-gather or in alloc_symmetric.
+Status check_config_across_ranks(Communicator& comm, const DispatchConfig& c, const void* external_pool) {
+  constexpr int n = kConfigFields + 1;
+  const int64_t mine[n] = {c.num_experts,
+                           c.hidden,
+                           c.topk,
+                           c.max_tokens_per_rank,
+                           c.row_align,
+                           c.intermediate,
+                           int64_t(c.dtype),
+                           c.pow2_scales ? 1 : 0,
+                           int64_t(c.combine_partials),
+                           external_pool && misaligned(external_pool, layout::kRegionAlign) ? 1 : 0};
+  const int R = comm.size();
+  std::vector<int64_t> all(size_t(R) * n);
+  cudaStream_t stream = nullptr;
+  int64_t* d = nullptr;
+  Status st = detail::cuda_status(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate",
+                                  __FILE__, __LINE__);
+  if (st.ok())
+    st = detail::cuda_status(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(int64_t) * n * (R + 1)), "cudaMalloc",
+                             __FILE__, __LINE__);
+  if (st.ok())
+    st = detail::cuda_status(cudaMemcpyAsync(d, mine, sizeof(mine), cudaMemcpyHostToDevice, stream),
+                             "cudaMemcpyAsync(config)", __FILE__, __LINE__);
+  if (st.ok())
+    st = detail::nccl_status(ncclAllGather(d, d + n, n, ncclInt64, comm.nccl(), stream), "ncclAllGather(config)",
+                             __FILE__, __LINE__);
+  if (st.ok())
+    st = detail::cuda_status(cudaMemcpyAsync(all.data(), d + n, sizeof(int64_t) * all.size(), cudaMemcpyDeviceToHost,
+                                             stream),
+                             "cudaMemcpyAsync(configs)", __FILE__, __LINE__);
+  if (st.ok()) st = detail::cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+  if (d) cudaFree(d);
+  if (stream) cudaStreamDestroy(stream);
+  if (!st.ok()) return Status(st.code(), "DispatchHandle::create: exchanging the config across ranks: " + st.message());
+
+  std::ostringstream os;
+  for (int f = 0; f < kConfigFields; ++f) {
+    std::vector<int64_t> values;
+    std::vector<std::vector<int>> ranks;
+    for (int r = 0; r < R; ++r) {
+      const int64_t v = all[size_t(r) * n + f];
+      size_t i = 0;
+      while (i < values.size() && values[i] != v) ++i;
+      if (i == values.size()) {
+        values.push_back(v);
+        ranks.emplace_back();
+      }
+      ranks[i].push_back(r);
+    }
+    if (values.size() < 2) continue;
+    os << (os.tellp() > 0 ? "; " : "") << kConfigFieldNames[f] << " is ";
+    for (size_t i = 0; i < values.size(); ++i)
+      os << (i ? ", " : "") << config_field_value(f, values[i]) << " on " << rank_list(ranks[i]);
+  }
+  if (os.tellp() > 0)
+    return detail::invalid("DispatchHandle::create on rank ", comm.rank(),
+                           ": DispatchConfig differs across ranks (every rank must pass the same one): ", os.str());
+  std::vector<int> bad_pool;
+  for (int r = 0; r < R; ++r)
+    if (all[size_t(r) * n + kConfigFields]) bad_pool.push_back(r);
+  if (!bad_pool.empty()) {
+    std::ostringstream where;
+    if (mine[kConfigFields]) where << " (here: " << external_pool << ")";
+    return detail::invalid("DispatchHandle::create on rank ", comm.rank(), ": external_pool must be ",
+                           layout::kRegionAlign, "-byte aligned; it is not on ", rank_list(bad_pool), where.str());
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 struct DispatchHandle::Impl {
@@ -39,6 +141,13 @@ struct DispatchHandle::Impl {
   int64_t last_tokens = -1;
 
   ~Impl() {
+    // Collective, like alloc_symmetric: every rank destroys its handle. Why log: a destructor cannot
+    // return a Status, and a failed free only leaks until the Communicator goes away.
+    if (sym) {
+      const Status st = comm->free_symmetric(sym);
+      if (!st.ok())
+        std::fprintf(stderr, "[epmoe] ~DispatchHandle on rank %d: %s\n", comm->rank(), st.to_string().c_str());
+    }
     if (local_ws) cudaFree(local_ws);
     if (owns_pool && pool) cudaFree(pool);
   }
@@ -96,6 +205,9 @@ int64_t DispatchHandle::pool_bytes_for(const Communicator& comm, const DispatchC
 
 Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std::unique_ptr<DispatchHandle>* out,
                               void* external_pool) {
+  // Every rank fails together: on a config that differs between ranks, on any rank's misaligned
+  // external pool, and (the configs being equal) on an invalid config.
+  EPMOE_RETURN_IF_ERROR(check_config_across_ranks(comm, cfg, external_pool));
   EPMOE_RETURN_IF_ERROR(validate(comm, cfg));
   auto m = std::make_unique<Impl>();
   m->comm = &comm;
@@ -108,7 +220,6 @@ Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std
 
   const layout::CommSymLayout sym{m->shape};
   const layout::CommLocalLayout loc{m->shape};
-  EPMOE_RETURN_IF_ERROR(comm.alloc_symmetric(size_t(sym.num_bytes()), &m->sym));
   EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->local_ws), size_t(loc.num_bytes())));
   EPMOE_CUDA_RETURN(cudaMemset(m->local_ws, 0, size_t(loc.num_bytes())));
   if (external_pool) {
@@ -121,6 +232,8 @@ Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std
   EPMOE_CUDA_RETURN(cudaMemset(m->pool + m->pool_layout.expert_count_offset(), 0,
                                size_t(m->pool_layout.num_bytes() - m->pool_layout.expert_count_offset())));
   EPMOE_CUDA_RETURN(cudaDeviceSynchronize());
+  // Last, so that no rank-local failure above leaves the peers holding a symmetric buffer.
+  EPMOE_RETURN_IF_ERROR(comm.alloc_symmetric(size_t(sym.num_bytes()), &m->sym));
   out->reset(new DispatchHandle(std::move(m)));
   return Status::Ok();
 }
@@ -153,6 +266,11 @@ Status DispatchHandle::dispatch(const void* x, const int32_t* topk_idx, const fl
                            m.cfg.max_tokens_per_rank, "]");
   if (num_tokens > 0 && (!x || !topk_idx || !topk_weights))
     return detail::invalid("dispatch: x, topk_idx and topk_weights must be non-null when num_tokens=", num_tokens, " > 0");
+  // Why: the kernels load x in 16-byte vectors and the routing in 4-byte words.
+  if (misaligned(x, 16)) return detail::invalid("dispatch: x=", x, " must be 16-byte aligned");
+  if (misaligned(topk_idx, 4)) return detail::invalid("dispatch: topk_idx=", topk_idx, " must be 4-byte aligned");
+  if (misaligned(topk_weights, 4))
+    return detail::invalid("dispatch: topk_weights=", topk_weights, " must be 4-byte aligned");
   comm::DispatchParams p{};
   p.shape = m.shape;
   p.rank = m.comm->rank();
@@ -173,6 +291,8 @@ Status DispatchHandle::dispatch(const void* x, const int32_t* topk_idx, const fl
 
 Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream) {
   Impl& m = *impl_;
+  // Why: the kernel stores y in 16-byte vectors.
+  if (misaligned(y, 16)) return detail::invalid("combine: y=", y, " must be 16-byte aligned");
   if (m.last_tokens < 0) return detail::invalid("combine: no dispatch has been issued on this handle");
   if (num_tokens != m.last_tokens)
     return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
@@ -192,7 +312,18 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
 
 Status DispatchHandle::check_errors(cudaStream_t stream) {
   Impl& m = *impl_;
-  EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+  const cudaError_t sync = cudaStreamSynchronize(stream);
+  if (sync != cudaSuccess) {
+    // Why this wording: a bounded wait that expires prints a diagnostic and traps, which kills the
+    // context; the status word can no longer be read, so the sync error is all the host gets.
+    std::ostringstream os;
+    os << "rank " << m.comm->rank() << ": cudaStreamSynchronize failed: " << cudaGetErrorName(sync) << " ("
+       << cudaGetErrorString(sync) << "). If this is a sticky error (illegal instruction, unspecified launch "
+       << "failure), a device-side wait for a peer may have timed out (timeout_seconds=" << m.cfg.timeout_seconds
+       << ") and trapped: look in stderr for an '[epmoe] TIMEOUT' line, which names the rank, block, flag, "
+       << "expected and seen values. The CUDA context is unusable after such an error; restart the process";
+    return Status(StatusCode::kCudaError, os.str());
+  }
   const layout::CommLocalLayout loc{m.shape};
   uint32_t word = 0;
   EPMOE_CUDA_RETURN(cudaMemcpy(&word, m.local_ws + loc.status_offset(), 4, cudaMemcpyDeviceToHost));
@@ -202,10 +333,9 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
   os << "rank " << m.comm->rank() << ": dispatch/combine recorded errors (status 0x" << std::hex << word << std::dec << "):";
   if (word & comm::kStatusBadExpert)
     os << " a topk_idx outside [-1, " << m.cfg.num_experts << ") (those slots were treated as masked);";
-  if (word & comm::kStatusDuplicateExpert) os << " an expert listed twice in one token (the later slot was masked);";
   if (word & comm::kStatusTimeout) os << " a wait for a peer timed out;";
   if (word & comm::kStatusInternal) os << " an internal row-index error (a bug);";
-  const StatusCode code = (word & (comm::kStatusTimeout)) ? StatusCode::kTimeout
+  const StatusCode code = (word & comm::kStatusTimeout)    ? StatusCode::kTimeout
                           : (word & comm::kStatusInternal) ? StatusCode::kInternal
                                                            : StatusCode::kInvalidArgument;
   return Status(code, os.str());

@@ -1,4 +1,4 @@
-// Host side of the grouped GEMMs: shape checks, tensor maps, launches (src/host/gemm.h).
+// Host side of the grouped GEMMs: shape checks, tensor maps, plans and launches (src/host/gemm.h).
 #include "host/gemm.h"
 
 #include <cuda.h>
@@ -86,16 +86,21 @@ Status check_ptr(const char* who, const char* name, const void* p) {
   return Status::Ok();
 }
 
-Status device_sms(int* sms) {
+// The current device, which must be an sm_90 GPU (the kernels are built for sm_90a only), and
+// its SM count (the persistent grid).
+Status current_sm90_device(int* device, int* sms) {
   int dev = 0;
   EPMOE_CUDA_RETURN(cudaGetDevice(&dev));
   int major = 0, minor = 0;
   EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0)
-    return Status(StatusCode::kUnsupported, "grouped GEMM kernels need an sm_90 GPU (H100/H200), found sm_" +
+    return Status(StatusCode::kUnsupported, "grouped GEMM kernels need an sm_90 GPU (H100/H200; built for sm_90a), "
+                                            "but CUDA device " + std::to_string(dev) + " is sm_" +
                                                 std::to_string(major) + std::to_string(minor));
   EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  if (*sms <= 0) return Status(StatusCode::kInternal, "CUDA device " + std::to_string(dev) + " reports no SMs");
+  *device = dev;
   return Status::Ok();
 }
 
@@ -110,16 +115,19 @@ GroupedGemmParams base_params(const GroupedArgs& g, int n, int k) {
   return p;
 }
 
-Status launch(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a, const void* b, int n, int k,
-              const GroupedGemmParams& p, cudaStream_t stream) {
-  int sms = 0;
-  EPMOE_RETURN_IF_ERROR(device_sms(&sms));
-  CUtensorMap map_a, map_b;
-  EPMOE_RETURN_IF_ERROR(make_kmajor_map(&map_a, a, fp8, g.max_rows, k, kBlockM));
-  EPMOE_RETURN_IF_ERROR(make_kmajor_map(&map_b, b, fp8, int64_t(g.num_groups) * n, k, kBlockN));
-  const cudaError_t e = fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, map_a, map_b, p, sms, stream)
-                            : detail::launch_sm90_grouped_gemm_bf16(stage, map_a, map_b, p, sms, stream);
-  EPMOE_CUDA_RETURN(e);
+// The device half of planning, after the arguments passed their checks. Writes *out last.
+Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a, const void* b, int n, int k,
+                  const GroupedGemmParams& p, GemmPlan* out) {
+  GemmPlan plan;
+  EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
+  EPMOE_RETURN_IF_ERROR(make_kmajor_map(&plan.map_a, a, fp8, g.max_rows, k, kBlockM));
+  EPMOE_RETURN_IF_ERROR(make_kmajor_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, kBlockN));
+  EPMOE_CUDA_RETURN(fp8 ? detail::configure_sm90_grouped_gemm_fp8(stage, plan.device)
+                        : detail::configure_sm90_grouped_gemm_bf16(stage, plan.device));
+  plan.fp8 = fp8;
+  plan.l1 = stage == GemmStage::kL1;
+  plan.params = p;
+  *out = plan;
   return Status::Ok();
 }
 
@@ -175,10 +183,12 @@ Status prepare_w2(DType dtype, const void* w2_user, const float* w2_scale_user, 
   return Status::Ok();
 }
 
-Status l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_scale, const void* w1,
-          const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp, bool pow2_scales,
-          void* a, float* a_scale, cudaStream_t stream) {
+Status plan_l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_scale, const void* w1,
+               const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp,
+               bool pow2_scales, void* a, float* a_scale, GemmPlan* out) {
   const bool fp8 = dtype == DType::kFP8;
+  if (out == nullptr) return invalid("gemm::l1: the plan output is null");
+  if (dtype != DType::kFP8 && dtype != DType::kBF16) return invalid("gemm::l1: unknown dtype ", int(dtype));
   EPMOE_RETURN_IF_ERROR(check_args("gemm::l1", g, hidden, inter, fp8));
   EPMOE_RETURN_IF_ERROR(check_ptr("gemm::l1", "x", x));
   EPMOE_RETURN_IF_ERROR(check_ptr("gemm::l1", "w1", w1));
@@ -199,12 +209,14 @@ Status l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_scale
   p.row_weight = row_weight;
   p.clamp = clamp > 0.0f ? clamp : 0.0f;
   p.pow2_scales = pow2_scales ? 1 : 0;
-  return launch(fp8, GemmStage::kL1, g, x, w1, 2 * inter, hidden, p, stream);
+  return build_plan(fp8, GemmStage::kL1, g, x, w1, 2 * inter, hidden, p, out);
 }
 
-Status l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale, const void* w2,
-          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream) {
+Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale, const void* w2,
+               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out) {
   const bool fp8 = dtype == DType::kFP8;
+  if (out == nullptr) return invalid("gemm::l2: the plan output is null");
+  if (dtype != DType::kFP8 && dtype != DType::kBF16) return invalid("gemm::l2: unknown dtype ", int(dtype));
   EPMOE_RETURN_IF_ERROR(check_args("gemm::l2", g, hidden, inter, fp8));
   EPMOE_RETURN_IF_ERROR(check_ptr("gemm::l2", "a", a));
   EPMOE_RETURN_IF_ERROR(check_ptr("gemm::l2", "w2", w2));
@@ -218,7 +230,33 @@ Status l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale
   p.b_scale = fp8 ? w2_scale : nullptr;
   p.out = o;
   p.out_ld = hidden;
-  return launch(fp8, GemmStage::kL2, g, a, w2, hidden, inter, p, stream);
+  return build_plan(fp8, GemmStage::kL2, g, a, w2, hidden, inter, p, out);
+}
+
+Status launch(const GemmPlan& plan, cudaStream_t stream) {
+  if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
+  const GemmStage stage = plan.l1 ? GemmStage::kL1 : GemmStage::kL2;
+  EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.params,
+                                                                     plan.grid, stream)
+                             : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.params,
+                                                                      plan.grid, stream));
+  return Status::Ok();
+}
+
+Status l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_scale, const void* w1,
+          const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp, bool pow2_scales,
+          void* a, float* a_scale, cudaStream_t stream) {
+  GemmPlan plan;
+  EPMOE_RETURN_IF_ERROR(
+      plan_l1(dtype, g, x, x_scale, w1, w1_scale, row_weight, hidden, inter, clamp, pow2_scales, a, a_scale, &plan));
+  return launch(plan, stream);
+}
+
+Status l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale, const void* w2,
+          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream) {
+  GemmPlan plan;
+  EPMOE_RETURN_IF_ERROR(plan_l2(dtype, g, a, a_scale, w2, w2_scale, inter, hidden, o, &plan));
+  return launch(plan, stream);
 }
 
 }  // namespace epmoe::gemm

@@ -4,12 +4,19 @@
 //
 // All calls are stream-ordered, never synchronize with the host and never allocate, so they can
 // be captured in a CUDA graph. Shapes are checked on the host before anything is launched.
+//
+// Two ways to run a GEMM: plan_l1 / plan_l2 do every host step that can fail (argument checks,
+// the sm_90 check, tensor maps, kernel attributes) once, and launch() then only enqueues the
+// kernel. The layer plans at creation so that a forward call cannot stop between dispatch and
+// combine on a host-side error. l1 / l2 plan and launch in one call (tests, benchmark).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "device/gemm/sm90_gemm_params.h"
 #include "epmoe/config.h"
 #include "epmoe/status.h"
 
@@ -63,5 +70,33 @@ Status l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_sc
 // FP8: a e4m3 [max_rows][I] with a_scale [I/128][scale_stride]; BF16: a bf16 [max_rows][I].
 Status l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
           const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream);
+
+// ---- Prepared launches -------------------------------------------------------------------------
+// Everything one kernel launch needs, built on the host by plan_l1 / plan_l2 for the device that
+// was current then. The plan captures pointers and shapes, never the expert counts/offsets
+// themselves (the kernel reads those arrays from the device), so one plan serves any number of
+// calls while the buffers it names stay allocated. Plain data: copy it freely.
+struct GemmPlan {
+  int device = -1;  // CUDA device the plan was built for; -1: empty (launch rejects it)
+  bool fp8 = false;
+  bool l1 = false;  // L1 (SwiGLU epilogue) or L2 (bf16 store)
+  int grid = 0;     // persistent blocks: one per SM
+  CUtensorMap map_a{};  // pool activations [max_rows][k]
+  CUtensorMap map_b{};  // weights [num_groups * n][k]
+  GroupedGemmParams params{};
+};
+
+// Arguments as for l1 / l2 below. Checks the arguments first (InvalidArgument, before any CUDA
+// call), then needs an sm_90 device current (Unsupported otherwise), encodes both tensor maps
+// and sets the kernel's shared-memory attribute on that device. *out is written only on success.
+Status plan_l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_scale, const void* w1,
+               const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp,
+               bool pow2_scales, void* a, float* a_scale, GemmPlan* out);
+Status plan_l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
+               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out);
+
+// Enqueues the planned kernel on `stream` (cudaLaunchKernelEx; no other CUDA call). The plan's
+// device must be current. Fails only on an empty plan or when the launch itself fails.
+Status launch(const GemmPlan& plan, cudaStream_t stream);
 
 }  // namespace epmoe::gemm

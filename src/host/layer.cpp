@@ -42,7 +42,9 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     dc.intermediate = cfg_.intermediate;
     dc.dtype = cfg_.dtype;
     dc.pow2_scales = cfg_.pow2_scales;
-    EPMOE_RETURN_IF_ERROR(DispatchHandle::create(comm_, dc, &dispatch_));
+    dc.timeout_seconds = cfg_.timeout_seconds;
+    // Why local allocations first: destroying a DispatchHandle is collective, so a rank that
+    // fails after creating one would leave its peers waiting in their destructors.
 
     const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
     const size_t elem = cfg_.dtype == DType::kFP8 ? 1 : 2;
@@ -53,6 +55,20 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       EPMOE_RETURN_IF_ERROR(w2_scale_.alloc(size_t(g) * (h / 128) * (i / 128) * sizeof(float)));
     }
     for (auto& e : stage_events_) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
+    EPMOE_RETURN_IF_ERROR(DispatchHandle::create(comm_, dc, &dispatch_));
+
+    // Why plan here: every host step of the GEMMs that can fail (checks, the sm_90 check, tensor
+    // maps, kernel attributes) runs now, so forward() cannot return between dispatch and combine
+    // and leave the peers waiting. The pool and weight pointers are fixed from here on; the
+    // expert counts/offsets are device arrays the kernels read at run time.
+    const ExpertPoolView pool = dispatch_->pool();
+    const gemm::GroupedArgs args{g, pool.expert_count, pool.expert_offset, pool.max_rows, pool.scale_stride};
+    EPMOE_RETURN_IF_ERROR(gemm::plan_l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_.ptr,
+                                        static_cast<const float*>(w1_scale_.ptr), pool.row_weight, h, i,
+                                        cfg_.activation_clamp, cfg_.pow2_scales, pool.a_pool, pool.a_scale,
+                                        &plan_l1_));
+    EPMOE_RETURN_IF_ERROR(gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
+                                        static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_));
     return Status::Ok();
   }
 
@@ -104,23 +120,29 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                     "forward: path=fused (the megakernel) is not implemented yet; use Path::kPipeline");
     if (path != Path::kPipeline) return invalid("forward: path=", static_cast<int>(path), " is unknown");
 
-    record(0, stream);
+    // Why here: the plans and the pool belong to the layer's device; launching on another one
+    // would fault, and this is the last point at which returning leaves no peer waiting.
+    int device = -1;
+    EPMOE_CUDA_RETURN(cudaGetDevice(&device));
+    if (device != comm_.device())
+      return invalid("forward: the current CUDA device is ", device, " but the layer lives on device ",
+                     comm_.device(), "; call cudaSetDevice(", comm_.device(), ") before forward");
+
+    timing_error_ = Status::Ok();
+    if (timing_) EPMOE_CUDA_RETURN(cudaEventRecord(stage_events_[0], stream));
     EPMOE_RETURN_IF_ERROR(dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream));
+
+    // From here on every peer waits for this rank's combine: an error no longer returns early.
+    // It is kept, combine still runs (y is then undefined), and the first one is returned.
     record(1, stream);
-    const ExpertPoolView pool = dispatch_->pool();
-    gemm::GroupedArgs args{cfg_.experts_per_rank(), pool.expert_count, pool.expert_offset,
-                           pool.max_rows, pool.scale_stride};
-    EPMOE_RETURN_IF_ERROR(gemm::l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_.ptr,
-                                   static_cast<const float*>(w1_scale_.ptr), pool.row_weight,
-                                   cfg_.hidden, cfg_.intermediate, cfg_.activation_clamp,
-                                   cfg_.pow2_scales, pool.a_pool, pool.a_scale, stream));
+    Status st = gemm::launch(plan_l1_, stream);
     record(2, stream);
-    EPMOE_RETURN_IF_ERROR(gemm::l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
-                                   static_cast<const float*>(w2_scale_.ptr), cfg_.intermediate,
-                                   cfg_.hidden, pool.o_pool, stream));
+    if (st.ok()) st = gemm::launch(plan_l2_, stream);
     record(3, stream);
-    EPMOE_RETURN_IF_ERROR(dispatch_->combine(y, num_tokens, stream));
+    Status combined = dispatch_->combine(y, num_tokens, stream);
     record(4, stream);
+    if (!st.ok()) return st;
+    EPMOE_RETURN_IF_ERROR(combined);
     return Status::Ok();
   }
 
@@ -132,6 +154,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   void set_stage_timing(bool on) override { timing_ = on; }
   Status stage_times_ms(float out[4]) override {
     if (!timing_) return invalid("stage_times_ms: call set_stage_timing(true) before forward");
+    EPMOE_RETURN_IF_ERROR(timing_error_);
     EPMOE_CUDA_RETURN(cudaEventSynchronize(stage_events_[4]));
     for (int s = 0; s < 4; ++s)
       EPMOE_CUDA_RETURN(cudaEventElapsedTime(&out[s], stage_events_[s], stage_events_[s + 1]));
@@ -140,8 +163,13 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   DispatchHandle& dispatcher() override { return *dispatch_; }
 
  private:
+  // Stage events after dispatch was launched: a failure must not end the call (see forward), so
+  // the first one is kept for stage_times_ms.
   void record(int i, cudaStream_t stream) {
-    if (timing_) cudaEventRecord(stage_events_[i], stream);
+    if (!timing_) return;
+    const Status st = detail::cuda_status(cudaEventRecord(stage_events_[i], stream), "cudaEventRecord",
+                                          __FILE__, __LINE__);
+    if (!st.ok() && timing_error_.ok()) timing_error_ = st;
   }
 
   Communicator& comm_;
@@ -150,7 +178,9 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   DeviceBuffer w1_, w2_, w1_scale_, w2_scale_;
   bool weights_loaded_ = false;
   bool timing_ = false;
+  Status timing_error_;  // first failed stage-event record of the last forward call
   cudaEvent_t stage_events_[5] = {};
+  gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
 };
 
 }  // namespace

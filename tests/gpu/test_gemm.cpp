@@ -363,6 +363,55 @@ TEST(GemmManyExperts, UnevenCountsRepeatedCalls) {
   }
 }
 
+// The layer's use of a plan: built once, launched on several calls whose expert counts change on
+// the device in between. Also: a stale error from an unrelated runtime call is not blamed on the
+// launch (launch returns cudaLaunchKernelEx's own result, never cudaGetLastError).
+TEST(GemmPlanLaunch, ReusedAcrossCountsAndIgnoresStaleErrors) {
+  EPMOE_REQUIRE_GPUS(1);
+  constexpr int G = 2, H = 128, I = 128;
+  const int b = gemm::row_align(DType::kBF16);
+  const std::vector<int> offset = {0, b, 3 * b};
+  const int64_t max_rows = 3 * b;
+  DeviceBuf<int> d_count(G), d_offset(G + 1);
+  DeviceBuf<uint16_t> d_a(size_t(max_rows) * I), d_w(size_t(G) * H * I), d_out(size_t(max_rows) * H);
+  ASSERT_NE(d_a.ptr, nullptr);
+  ASSERT_NE(d_w.ptr, nullptr);
+  ASSERT_NE(d_out.ptr, nullptr);
+  d_offset.upload(offset);
+  d_a.upload(std::vector<uint16_t>(d_a.n, 0x3F80));  // bf16 1.0
+  d_w.upload(std::vector<uint16_t>(d_w.n, 0x3F80));
+
+  gemm::GemmPlan empty;
+  EXPECT_EQ(gemm::launch(empty, nullptr).code(), epmoe::StatusCode::kInvalidArgument);
+
+  gemm::GroupedArgs args{G, d_count.ptr, d_offset.ptr, max_rows, max_rows};
+  gemm::GemmPlan plan;
+  EPMOE_OK(gemm::plan_l2(DType::kBF16, args, d_a.ptr, nullptr, d_w.ptr, nullptr, I, H, d_out.ptr, &plan));
+  int dev = -1, sms = 0;
+  EPMOE_CUDA_OK(cudaGetDevice(&dev));
+  EPMOE_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  EXPECT_EQ(plan.device, dev);
+  EXPECT_EQ(plan.grid, sms);
+
+  const std::vector<std::vector<int>> calls = {{3, 0}, {0, b + 2}, {b, 1}};
+  for (const auto& counts : calls) {
+    d_count.upload(counts);
+    EPMOE_CUDA_OK(cudaMemset(d_out.ptr, 0xFF, d_out.n * 2));  // NaN
+    EXPECT_NE(cudaSetDevice(-1), cudaSuccess);               // leaves a stale error behind
+    EPMOE_OK(gemm::launch(plan, nullptr));
+    (void)cudaGetLastError();
+    EPMOE_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> out = d_out.download();
+    for (int e = 0; e < G; ++e)
+      for (int64_t r = offset[e]; r < offset[e + 1]; ++r) {
+        const uint16_t want = r - offset[e] < counts[e] ? 0x4300 : 0xFFFF;  // 128.0 or untouched
+        for (int c = 0; c < H; ++c)
+          ASSERT_EQ(out[size_t(r) * H + c], want) << "expert " << e << " row " << r << " col " << c
+                                                 << " counts " << counts[0] << "," << counts[1];
+      }
+  }
+}
+
 TEST(GemmValidation, RejectsBadShapes) {
   gemm::GroupedArgs args{2, reinterpret_cast<const int*>(16), reinterpret_cast<const int*>(32), 128, 128};
   const void* p = reinterpret_cast<const void*>(256);

@@ -37,6 +37,19 @@ struct RankData {
   ref::Routed routed;
 };
 
+void add_duplicates(Duplicates kind, int K, ref::Routed* routed) {
+  if (kind == Duplicates::kNone || K < 2) return;
+  std::vector<int32_t>& idx = routed->topk_idx;
+  const int T = int(idx.size()) / K;
+  for (int t = 0; t < T; ++t) {
+    int32_t* slots = idx.data() + size_t(t) * K;
+    if (slots[0] < 0) continue;
+    if (kind == Duplicates::kSome && t % 3 == 0) slots[K - 1] = slots[0];
+    if (kind == Duplicates::kAllSlots)
+      for (int k = 1; k < K; ++k) slots[k] = slots[0];
+  }
+}
+
 }  // namespace
 
 float expert_output_pattern(int src, int token, int slot, int h) {
@@ -91,6 +104,7 @@ Status run_cases(const RankContext& ctx, Communicator& comm_ref, const CaseShape
       all[r].T = c.tokens.empty() ? sh.T_max : c.tokens[r];
       all[r].x = ref::random_x(all[r].T, H, ref::mix_seed(cseed, 1, r));
       all[r].routed = ref::make_routing(prob, c.routing, r, all[r].T, ref::mix_seed(cseed, 2));
+      add_duplicates(c.duplicates, K, &all[r].routed);
     }
     const RankData& mine = all[me];
     const int T = mine.T;

@@ -17,10 +17,19 @@ struct CaseShape {
   PartialPrecision partials = PartialPrecision::kFloat32;
 };
 
+// Duplicate experts inside a token, applied on top of the reference routing (which never makes
+// them). SPEC counts every slot, so a duplicated expert gets one pool row and one term per slot.
+enum class Duplicates {
+  kNone,
+  kSome,      // every third token with a valid slot 0: the last slot repeats slot 0's expert
+  kAllSlots,  // every token with a valid slot 0: all K slots name slot 0's expert
+};
+
 struct RoutingCase {
   std::string name;
   ref::Routing routing = ref::Routing::kUniform;
   std::vector<int> tokens;  // T_r per rank; empty = T_max everywhere
+  Duplicates duplicates = Duplicates::kNone;
 };
 
 // Creates one handle and runs every case on it in order (the handle is reused: no re-init).

@@ -24,6 +24,9 @@ std::vector<RoutingCase> all_routings(int T_max) {
       {"zero_tokens_rank0", Routing::kZipf, {0, T_max}},
       {"unequal_tokens", Routing::kUniform, {T_max, T_max / 3 + 1}},
       {"all_zero", Routing::kUniform, {0, 0}},
+      {"duplicate_experts", Routing::kUniform, {}, Duplicates::kSome},
+      {"all_slots_one_expert", Routing::kOneExpert, {}, Duplicates::kAllSlots},
+      {"duplicates_masked", Routing::kMasked, {T_max, T_max / 2}, Duplicates::kAllSlots},
       {"uniform_again", Routing::kUniform, {}},
   };
 }
@@ -83,7 +86,8 @@ TEST(DispatchCombine, LargeHiddenManyTokensTopK8) {
     return run_cases(ctx, s,
                      {{"uniform", Routing::kUniform, {}},
                       {"zipf", Routing::kZipf, {}},
-                      {"unequal", Routing::kMasked, {300, 17}}},
+                      {"unequal", Routing::kMasked, {300, 17}},
+                      {"duplicate_experts", Routing::kZipf, {}, Duplicates::kSome}},
                      seed);
   });
 }
@@ -102,7 +106,14 @@ TEST(DispatchCombine, KEqualsOneAndKLargerThanLocalExperts) {
     RANK_OK(make_comm(ctx, &comm));
     // Two handles on one communicator, created one after the other.
     RANK_OK(run_cases(ctx, *comm, a, {{"k1", Routing::kUniform, {}}, {"k1_unequal", Routing::kUniform, {5, 96}}}, seed));
-    return run_cases(ctx, *comm, b, {{"k8_eloc4", Routing::kUniform, {}}, {"k8_masked", Routing::kMasked, {}}}, seed);
+    // K = 8 rows of one token on one rank (all in one expert) while E_loc = 4: the pool bound is K
+    // rows per token, not min(K, E_loc).
+    return run_cases(ctx, *comm, b,
+                     {{"k8_eloc4", Routing::kUniform, {}},
+                      {"k8_masked", Routing::kMasked, {}},
+                      {"k8_all_slots_one_expert", Routing::kOneExpert, {}, Duplicates::kAllSlots},
+                      {"k8_duplicate_experts", Routing::kUniform, {}, Duplicates::kSome}},
+                     seed);
   });
 }
 

@@ -249,12 +249,56 @@ TEST(BadInput, HostSideErrorsBeforeAnyLaunch) {
     RANK_CHECK(!s6.ok() && s6.message().find("non-null") != std::string::npos, ctx, s6.to_string());
     Status s7 = h->dispatch(dummy, dummy, reinterpret_cast<float*>(dummy), -1, nullptr);
     RANK_CHECK(!s7.ok(), ctx, s7.to_string());
+
+    // Misaligned pointers are rejected before any launch.
+    char* bytes = reinterpret_cast<char*>(dummy);
+    Status a1 = h->dispatch(bytes + 8, dummy, reinterpret_cast<float*>(dummy), 5, nullptr);
+    RANK_CHECK(a1.code() == StatusCode::kInvalidArgument && a1.message().find("x=") != std::string::npos &&
+                   a1.message().find("16-byte") != std::string::npos,
+               ctx, a1.to_string());
+    Status a2 = h->dispatch(dummy, reinterpret_cast<int*>(bytes + 2), reinterpret_cast<float*>(dummy), 5, nullptr);
+    RANK_CHECK(a2.code() == StatusCode::kInvalidArgument && a2.message().find("topk_idx") != std::string::npos &&
+                   a2.message().find("4-byte") != std::string::npos,
+               ctx, a2.to_string());
+    Status a3 = h->dispatch(dummy, dummy, reinterpret_cast<float*>(bytes + 1), 5, nullptr);
+    RANK_CHECK(a3.code() == StatusCode::kInvalidArgument && a3.message().find("topk_weights") != std::string::npos,
+               ctx, a3.to_string());
+    Status a4 = h->combine(bytes + 4, 0, nullptr);
+    RANK_CHECK(a4.code() == StatusCode::kInvalidArgument && a4.message().find("16-byte") != std::string::npos, ctx,
+               a4.to_string());
+    h.reset();
+
+    // A config that differs between ranks fails on every rank, naming the field and the ranks.
+    c = small_config(DType::kFP8, PartialPrecision::kFloat32);
+    c.hidden = ctx.rank == 0 ? 512 : 640;
+    Status m1 = DispatchHandle::create(*comm, c, &h);
+    RANK_CHECK(m1.code() == StatusCode::kInvalidArgument && m1.message().find("differs across ranks") != std::string::npos &&
+                   m1.message().find("hidden is 512 on rank 0, 640 on rank 1") != std::string::npos,
+               ctx, m1.to_string());
+    c = small_config(DType::kFP8, PartialPrecision::kFloat32);
+    c.combine_partials = ctx.rank == 1 ? PartialPrecision::kBFloat16 : PartialPrecision::kFloat32;
+    Status m2 = DispatchHandle::create(*comm, c, &h);
+    RANK_CHECK(!m2.ok() && m2.message().find("combine_partials") != std::string::npos, ctx, m2.to_string());
+
+    // An external pool that is not 256-byte aligned on one rank fails on every rank.
+    c = small_config(DType::kFP8, PartialPrecision::kFloat32);
+    char* pool = nullptr;
+    RANK_CUDA(cudaMalloc(&pool, size_t(DispatchHandle::pool_bytes_for(*comm, c)) + 256));
+    Status p1 = DispatchHandle::create(*comm, c, &h, ctx.rank == 1 ? pool + 16 : pool);
+    RANK_CHECK(p1.code() == StatusCode::kInvalidArgument && p1.message().find("256-byte") != std::string::npos &&
+                   p1.message().find("rank 1") != std::string::npos,
+               ctx, p1.to_string());
+    RANK_OK(DispatchHandle::create(*comm, c, &h, pool));  // aligned on both: accepted
+    h.reset();
+    cudaFree(pool);
     cudaFree(dummy);
     return Status::Ok();
   });
 }
 
-TEST(BadInput, OutOfRangeAndDuplicateExpertsAreMaskedAndReported) {
+// SPEC: any routing is legal and step 7 sums every valid slot, so an expert listed twice in a token
+// is computed twice; only indices outside [-1, E) are masked (and reported).
+TEST(BadInput, OutOfRangeExpertsMaskedAndReportedDuplicatesComputed) {
   EPMOE_REQUIRE_RANKS(2);
   run_on_ranks(2, [](const RankContext& ctx) {
     Rig rig;
@@ -267,16 +311,27 @@ TEST(BadInput, OutOfRangeAndDuplicateExpertsAreMaskedAndReported) {
     prob.H = cfg.hidden;
     prob.K = K;
     prob.T_max = cfg.max_tokens_per_rank;
-    ref::Routed routed = ref::make_routing(prob, ref::Routing::kUniform, ctx.rank, T, 1234);
-    std::vector<int> sanitized = routed.topk_idx;
-    if (ctx.rank == 0) {
-      routed.topk_idx[3 * K + 1] = E;      // one past the end
-      routed.topk_idx[5 * K + 0] = -7;     // negative, not -1
-      routed.topk_idx[9 * K + 2] = 1 << 30;
-      routed.topk_idx[7 * K + 2] = routed.topk_idx[7 * K + 0];  // duplicate: the later slot is masked
-      sanitized = routed.topk_idx;
-      for (int i : {3 * K + 1, 5 * K + 0, 9 * K + 2, 7 * K + 2}) sanitized[i] = -1;
-    }
+    // Rank r's routing: duplicates on every rank, out-of-range indices on rank 0. sanitized = what
+    // SPEC computes: the duplicates stay (each slot counts), the out-of-range slots become -1.
+    const std::vector<int> bad_slots = {3 * K + 1, 5 * K + 0, 9 * K + 2};
+    auto routing_of = [&](int r, std::vector<int>* sanitized) {
+      ref::Routed routed = ref::make_routing(prob, ref::Routing::kUniform, r, T, 1234);
+      std::vector<int32_t>& idx = routed.topk_idx;
+      idx[7 * K + 2] = idx[7 * K + 0];                                   // one expert in two slots
+      for (int k = 1; k < K; ++k) idx[11 * K + k] = idx[11 * K + 0];     // one expert in all K slots
+      idx[13 * K + 3] = idx[13 * K + 1];                                 // two pairs
+      idx[13 * K + 2] = idx[13 * K + 0];
+      *sanitized = idx;
+      if (r == 0) {
+        idx[bad_slots[0]] = E;        // one past the end
+        idx[bad_slots[1]] = -7;       // negative, not -1
+        idx[bad_slots[2]] = 1 << 30;
+        for (int i : bad_slots) (*sanitized)[i] = -1;
+      }
+      return routed;
+    };
+    std::vector<int> sanitized;
+    const ref::Routed routed = routing_of(ctx.rank, &sanitized);
     std::vector<uint16_t> x = ref::random_x(T, cfg.hidden, 77 + ctx.rank);
     int* d_sanitized = nullptr;
     RANK_CUDA(cudaMalloc(&d_sanitized, sanitized.size() * 4));
@@ -294,8 +349,7 @@ TEST(BadInput, OutOfRangeAndDuplicateExpertsAreMaskedAndReported) {
                                                rig.checked);
     Status st = rig.handle->check_errors(rig.stream);
     if (ctx.rank == 0) {
-      RANK_CHECK(st.code() == StatusCode::kInvalidArgument && st.message().find("outside [-1, 16)") != std::string::npos &&
-                     st.message().find("twice") != std::string::npos,
+      RANK_CHECK(st.code() == StatusCode::kInvalidArgument && st.message().find("outside [-1, 16)") != std::string::npos,
                  ctx, st.to_string());
       Status again = rig.handle->check_errors(rig.stream);  // reported once, then cleared
       RANK_CHECK(again.ok(), ctx, again.to_string());
@@ -304,7 +358,19 @@ TEST(BadInput, OutOfRangeAndDuplicateExpertsAreMaskedAndReported) {
     }
     uint32_t err = 0, chk = 0;
     RANK_OK(rig.counters(&err, &chk));
-    RANK_CHECK(err == 0 && chk == uint32_t(T), ctx, err << " wrong outputs with masked bad slots");
+    RANK_CHECK(err == 0 && chk == uint32_t(T), ctx,
+               err << " wrong outputs with masked bad slots and computed duplicate slots");
+    // Every valid slot got its own row, the duplicates included.
+    std::vector<int32_t> count(E_loc);
+    RANK_CUDA(cudaMemcpy(count.data(), rig.handle->pool().expert_count, E_loc * 4, cudaMemcpyDeviceToHost));
+    int64_t rows = 0, want_rows = 0;
+    for (int c : count) rows += c;
+    for (int r = 0; r < ctx.size; ++r) {
+      std::vector<int> other;
+      routing_of(r, &other);
+      for (int e : other) want_rows += e >= ctx.rank * E_loc && e < (ctx.rank + 1) * E_loc;
+    }
+    RANK_CHECK(rows == want_rows, ctx, rows << " pool rows, want " << want_rows << " (one per valid slot)");
     cudaFree(d_sanitized);
     return Status::Ok();
   });

@@ -24,6 +24,18 @@ void expect_disjoint_aligned(std::vector<std::pair<int64_t, int64_t>> regions, i
   EXPECT_LE(end, total);
 }
 
+// Control words: naturally aligned, disjoint, inside the control block.
+void expect_disjoint_aligned_words(std::vector<std::pair<int64_t, int64_t>> words, int64_t total) {
+  std::sort(words.begin(), words.end());
+  int64_t end = 0;
+  for (auto [off, bytes] : words) {
+    EXPECT_EQ(off % bytes, 0) << off;
+    EXPECT_GE(off, end) << off;
+    end = off + bytes;
+  }
+  EXPECT_LE(end, total);
+}
+
 TEST(CommLayout, SymmetricRegionsDisjointAndAligned) {
   for (bool fp8 : {true, false})
     for (int pb : {2, 4}) {
@@ -62,10 +74,17 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                           l.num_bytes());
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
   EXPECT_EQ(l.token_rows_bytes(), int64_t(4) * 1000 * 8 * 4);
-  // Control words do not overlap each other.
+  // Control words do not overlap each other, and each kernel's last-block counters are distinct.
   EXPECT_EQ(l.dispatch_epoch_offset() % 8, 0);
   EXPECT_EQ(l.combine_epoch_offset() % 8, 0);
-  EXPECT_LE(l.combine_epoch_offset() + 8, l.control_bytes());
+  expect_disjoint_aligned_words({{l.status_offset(), 4},
+                                 {l.grid_barrier_offset(), 4},
+                                 {l.dispatch_arrive_offset(), 4},
+                                 {l.combine_arrive_offset(), 4},
+                                 {l.dispatch_epoch_offset(), 8},
+                                 {l.combine_epoch_offset(), 8},
+                                 {l.combine_done_arrive_offset(), 4}},
+                                l.control_bytes());
 }
 
 TEST(CommLayout, PoolShapeFollowsTheCommShape) {
@@ -79,9 +98,19 @@ TEST(CommLayout, PoolShapeFollowsTheCommShape) {
   EXPECT_EQ(p.max_tokens, 4096);
   EXPECT_EQ(p.row_align, 128);
   EXPECT_TRUE(p.fp8);
-  // Worst case fits: every token of every rank to K distinct local experts, plus padding.
+  // Worst case fits: every token of every rank sends all K slots here, plus padding.
   const epmoe::layout::ExpertPoolLayout pl{p};
   EXPECT_GE(pl.max_rows(), int64_t(2) * 4096 * 8 + 32 * 127);
+}
+
+TEST(CommLayout, PoolHoldsKRowsPerTokenWhenKExceedsLocalExperts) {
+  // Duplicate experts are computed, not masked: a token may put all K slots into one local expert,
+  // so the bound is K rows per token even when E_loc < K (here E_loc = 4, K = 8).
+  const CommShape s{2, 8, 128, 8, 96, true, 4};
+  const epmoe::layout::ExpertPoolLayout pl{epmoe::layout::pool_shape_for(s, 0, 64)};
+  EXPECT_GE(pl.max_rows(), int64_t(2) * 96 * 8 + 4 * 63);
+  // token_rows has one entry per (source, token, slot).
+  EXPECT_EQ(CommLocalLayout{s}.token_rows_bytes(), int64_t(2) * 96 * 8 * 4);
 }
 
 }  // namespace

@@ -31,22 +31,18 @@ __host__ __device__ __forceinline__ int pull_slices(const CommShape& s) {
 }
 
 // Phase 1 for one token: sanitized routing into SlotMeta, positions from the per-expert cursors.
+// Every valid slot gets its own row, also when a token lists one expert several times (SPEC: any
+// routing is legal and counts each slot); the pool holds K rows per token for that reason.
 __device__ __forceinline__ void stage_routing(const DispatchParams& p, int t, SlotMeta* meta, int32_t* cursor,
                                               uint32_t* status) {
   const int K = p.shape.topk, E = p.shape.num_experts, lane = threadIdx.x & 31;
   if (lane >= K) return;
-  const unsigned kmask = K == 32 ? 0xFFFFFFFFu : ((1u << K) - 1u);
   int e = p.topk_idx[int64_t(t) * K + lane];
   const float w = p.topk_w[int64_t(t) * K + lane];
   const bool bad = e < -1 || e >= E;
-  if (bad) e = -1;
-  // Why reject duplicates: one expert twice in a token would exceed the pool's row bound.
-  const unsigned same = __match_any_sync(kmask, e);
-  const bool dup = e >= 0 && (same & ((1u << lane) - 1u)) != 0;
-  if (bad) red_or_relaxed_gpu(status, kStatusBadExpert);
-  if (dup) {
-    red_or_relaxed_gpu(status, kStatusDuplicateExpert);
+  if (bad) {
     e = -1;
+    red_or_relaxed_gpu(status, kStatusBadExpert);
   }
   const int pos = e >= 0 ? atomicAdd(&cursor[e], 1) : 0;
   SlotMeta m;

@@ -29,10 +29,10 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const uint4& v, float s) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const uint32_t a = w[2 * i], b = w[2 * i + 1];
-    const uint16_t lo = cvt_rn_satfinite_e4m3x2_f32(__fdiv_rn(bf16_bits_to_float(a & 0xFFFFu), s),
-                                                    __fdiv_rn(bf16_bits_to_float(a >> 16), s));
-    const uint16_t hi = cvt_rn_satfinite_e4m3x2_f32(__fdiv_rn(bf16_bits_to_float(b & 0xFFFFu), s),
-                                                    __fdiv_rn(bf16_bits_to_float(b >> 16), s));
+    const uint16_t lo = cvt_rn_satfinite_e4m3x2(__fdiv_rn(bf16_bits_to_float(a & 0xFFFFu), s),
+                                                __fdiv_rn(bf16_bits_to_float(a >> 16), s));
+    const uint16_t hi = cvt_rn_satfinite_e4m3x2(__fdiv_rn(bf16_bits_to_float(b & 0xFFFFu), s),
+                                                __fdiv_rn(bf16_bits_to_float(b >> 16), s));
     out[i] = uint32_t(lo) | (uint32_t(hi) << 16);
   }
   return make_uint2(out[0], out[1]);

@@ -24,8 +24,10 @@ __device__ __forceinline__ void grid_barrier(uint32_t* counter, const WaitSite& 
     if (((seen ^ old) & 0x80000000u) == 0) {
       const uint64_t start = globaltimer_ns();
       while ((((seen = ld_acquire_gpu(counter)) ^ old) & 0x80000000u) == 0) {
-        if (globaltimer_ns() - start > site.timeout_ns)
-          wait_timed_out(site, "grid_barrier", int(n), (old & 0x80000000u) ? 0 : 0x80000000u, seen);
+        const uint64_t waited = globaltimer_ns() - start;
+        // Reported as grid_barrier[grid size]: expected = the top bit it waits for, seen = the word.
+        if (waited > site.timeout_ns)
+          wait_timed_out(site, "grid_barrier", int(n), (old & 0x80000000u) ? 0 : 0x80000000u, seen, waited);
       }
     }
   }

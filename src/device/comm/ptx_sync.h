@@ -4,6 +4,9 @@
 
 #include <cstdint>
 
+#include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
+
 namespace epmoe::comm {
 
 // ---- loads ----------------------------------------------------------------------------------------
@@ -46,30 +49,14 @@ __device__ __forceinline__ void red_or_relaxed_gpu(uint32_t* p, uint32_t v) {
   asm volatile("red.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// ---- fences and clocks ----------------------------------------------------------------------------
+// ---- fences ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void trap() { asm volatile("trap;"); }
-
-// ---- conversions ----------------------------------------------------------------------------------
-// Two fp32 -> two e4m3 bytes (lo in the low byte), round to nearest even, saturate to +-448.
-__device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2_f32(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-// Two fp32 -> two bf16 (lo in the low half), round to nearest even.
-__device__ __forceinline__ uint32_t cvt_rn_bf16x2_f32(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+// globaltimer_ns, trap and the fp32 -> e4m3x2 / bf16x2 conversions are the ones in device/ptx/.
+using ptx::cvt_rn_bf16x2;
+using ptx::cvt_rn_satfinite_e4m3x2;
+using ptx::globaltimer_ns;
+using ptx::trap;
 
 }  // namespace epmoe::comm

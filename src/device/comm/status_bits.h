@@ -7,11 +7,10 @@
 namespace epmoe::comm {
 
 inline constexpr uint32_t kStatusBadExpert = 1u << 0;  // a topk_idx outside [-1, E): slot treated as masked
-inline constexpr uint32_t kStatusTimeout = 1u << 1;    // a bounded wait expired (the kernel trapped)
+// Set by a bounded wait just before it traps. Why the host never sees it: the trap kills the CUDA
+// context, so check_errors cannot read the word afterwards; it is there for a debugger or core dump.
+inline constexpr uint32_t kStatusTimeout = 1u << 1;
+// Bit 2 is retired (duplicate experts used to be masked; they are now computed, as SPEC asks).
+inline constexpr uint32_t kStatusInternal = 1u << 3;  // an impossible row index (a bug): write skipped
 
-}  // namespace epmoe::comm
-
-namespace epmoe::comm {
-inline constexpr uint32_t kStatusDuplicateExpert = 1u << 2;  // one expert twice in a token: later slot masked
-inline constexpr uint32_t kStatusInternal = 1u << 3;         // an impossible row index (a bug): write skipped
 }  // namespace epmoe::comm

@@ -1,6 +1,9 @@
 // Bounded spin-waits. A peer that never arrives must not hang the job: after the timeout the waiter
-// prints who waited on what (rank, block, flag, expected, seen), records kStatusTimeout and traps,
-// which fails the launch with an error the host sees at its next synchronization.
+// prints who waited on what (rank, block, thread, flag, expected, seen, how long) and traps.
+// Why trap and not return: the other blocks and ranks are spinning on this one; unwinding them all
+// cleanly is not possible, and a hang is worse than a dead context. The trap is fatal to the CUDA
+// context: the host sees it as the launch's CUDA error at its next synchronization (check_errors
+// says that a device-side wait may have timed out), and the printed line says which wait.
 #pragma once
 
 #include <cstdint>
@@ -19,11 +22,17 @@ struct WaitSite {
 };
 
 [[noreturn]] __device__ __noinline__ inline void wait_timed_out(const WaitSite& site, const char* flag, int index,
-                                                                 uint64_t expected, uint64_t seen) {
+                                                                 uint64_t expected, uint64_t seen,
+                                                                 uint64_t waited_ns) {
   if (site.status) red_or_relaxed_gpu(site.status, kStatusTimeout);
-  printf("[epmoe] TIMEOUT rank %d block %d thread %d: flag %s[%d] expected >= %llu, seen %llu after %llu ms\n",
+  printf("[epmoe] TIMEOUT rank %d block %d thread %d: flag %s[%d] expected >= %llu, seen %llu after %llu ms "
+         "(timeout %llu ms). Trapping: this CUDA context is lost. Likely a peer rank stalled, died, or issued "
+         "dispatch/combine calls in a different order.\n",
          site.rank, int(blockIdx.x), int(threadIdx.x), flag, index, (unsigned long long)expected,
-         (unsigned long long)seen, (unsigned long long)(site.timeout_ns / 1000000ull));
+         (unsigned long long)seen, (unsigned long long)(waited_ns / 1000000ull),
+         (unsigned long long)(site.timeout_ns / 1000000ull));
+  // Why the fence: the printf record must be in memory before the trap tears the grid down.
+  __threadfence_system();
   trap();
   __builtin_unreachable();
 }
@@ -38,7 +47,8 @@ __device__ __forceinline__ uint64_t wait_geq_acquire_sys(const WaitSite& site, c
   if (seen >= expected) return seen;
   const uint64_t start = globaltimer_ns();
   while ((seen = ld_relaxed_sys(p)) < expected) {
-    if (globaltimer_ns() - start > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen);
+    const uint64_t waited = globaltimer_ns() - start;
+    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
   }
   return ld_acquire_sys(p);
 }

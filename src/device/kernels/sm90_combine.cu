@@ -35,8 +35,8 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const uint4& v) {
   }
 }
 __device__ __forceinline__ uint4 pack_bf16x8(const float* a) {
-  return make_uint4(cvt_rn_bf16x2_f32(a[0], a[1]), cvt_rn_bf16x2_f32(a[2], a[3]), cvt_rn_bf16x2_f32(a[4], a[5]),
-                    cvt_rn_bf16x2_f32(a[6], a[7]));
+  return make_uint4(cvt_rn_bf16x2(a[0], a[1]), cvt_rn_bf16x2(a[2], a[3]), cvt_rn_bf16x2(a[4], a[5]),
+                    cvt_rn_bf16x2(a[6], a[7]));
 }
 
 // Partial row storage: 8 channels are one bf16 vector or two fp32 vectors.
@@ -147,7 +147,9 @@ __global__ void __launch_bounds__(kCommThreads, 1) sm90_combine_kernel(CombinePa
   char* me = p.sym.ptr[p.rank];
   char* ws = p.local_ws;
   uint32_t* status = reinterpret_cast<uint32_t*>(ws + loc.status_offset());
-  uint32_t* arrive = reinterpret_cast<uint32_t*>(ws + loc.combine_arrive_offset());
+  // Why two counters: phase C must not depend on phase A's last block having reset the first one.
+  uint32_t* arrive_a = reinterpret_cast<uint32_t*>(ws + loc.combine_arrive_offset());
+  uint32_t* arrive_c = reinterpret_cast<uint32_t*>(ws + loc.combine_done_arrive_offset());
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.combine_epoch_offset());
   const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
   const WaitSite site{p.rank, p.timeout_ns, status};
@@ -170,7 +172,7 @@ __global__ void __launch_bounds__(kCommThreads, 1) sm90_combine_kernel(CombinePa
     const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
     if (t < recv_tokens[src]) push_partial_slice<kPartialBytes>(p, sym, src, t, slice, token_rows);
   }
-  if (arrive_is_last_block(arrive) && threadIdx.x < R)
+  if (arrive_is_last_block(arrive_a) && threadIdx.x < R)
     st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
 
   // Phase B.
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__(kCommThreads, 1) sm90_combine_kernel(CombinePa
     reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
 
   // Phase C.
-  if (arrive_is_last_block(arrive)) {
+  if (arrive_is_last_block(arrive_c)) {
     if (threadIdx.x < R)
       st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
     if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);

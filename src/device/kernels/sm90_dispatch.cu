@@ -1,12 +1,12 @@
 // Standalone dispatch: every rank stages its tokens once (FP8-quantized or bf16) in its symmetric
 // buffer, then every rank PULLS from each source the tokens routed to its local experts and writes
-// them straight into its expert-major pool, one row per (token, local expert).
+// them straight into its expert-major pool, one row per (token, slot) routed to a local expert.
 // Why pull: a token crosses NVLink once per destination rank, and the destination fans it out to
 // all its local experts from registers, so no second local pass over the pool is needed.
 //
 // Phases (docs/COMM.md has the full protocol):
 //   0  wait until every destination finished pulling our previous staging (epoch - 1)
-//   1  sanitize routing, take row positions per (this source, expert), quantize/stage tokens
+//   1  mask out-of-range experts, take row positions per (this source, expert), quantize/stage tokens
 //   -- grid barrier; block 0 publishes per-destination counts and T, then flags dispatch_ready
 //   2  wait for every source's counts; lay out expert segments (aligned to row_align)
 //   3  pull tokens, write x_pool / x_scale / row_weight / row_source / token_rows
@@ -101,9 +101,13 @@ __global__ void __launch_bounds__(kCommThreads, 1) sm90_dispatch_kernel(Dispatch
     if (threadIdx.x < R) recv_tokens[threadIdx.x] = tokens_of[threadIdx.x];
   }
   // Padding rows of each segment: weight 0 and an invalid source, so nothing reads garbage.
+  // Why the clamp: counts from peers that disagree with our pool size must not write past it
+  // (pull_token_slice drops such rows the same way and reports them).
+  const int max_rows = int(pl.max_rows());
   for (int e = blockIdx.x; e < E_loc; e += gridDim.x) {
     const int end = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e];
-    for (int r = end + threadIdx.x; r < seg[e + 1]; r += blockDim.x) {
+    const int pad_end = min(seg[e + 1], max_rows);
+    for (int r = end + threadIdx.x; r < pad_end; r += blockDim.x) {
       reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[r] = 0.f;
       reinterpret_cast<uint32_t*>(p.pool + pl.row_source_offset())[r] = kInvalidRowSource;
     }

@@ -13,8 +13,15 @@ namespace epmoe::gemm::detail {
 
 enum class GemmStage { kL1, kL2 };
 
-// grid = persistent block count (one per SM); A is [rows][k] with a 64-row x 128-byte box,
-// B is [groups * n][k] with a 256-row x 128-byte box, both 128-byte swizzled.
+// Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and
+// checks that one block fits on an SM. Once per kernel and device (later calls return the first
+// success at once); thread-safe. Call before the first launch on that device.
+cudaError_t configure_sm90_grouped_gemm_fp8(GemmStage stage, int device);
+cudaError_t configure_sm90_grouped_gemm_bf16(GemmStage stage, int device);
+
+// Enqueues the kernel with cudaLaunchKernelEx and returns that call's result (no other CUDA
+// call). grid = persistent block count (one per SM); A is [rows][k] with a 128-row x 128-byte
+// box, B is [groups * n][k] with a 256-row x 128-byte box, both 128-byte swizzled.
 cudaError_t launch_sm90_grouped_gemm_fp8(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
                                          const GroupedGemmParams& p, int grid, cudaStream_t stream);
 cudaError_t launch_sm90_grouped_gemm_bf16(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,

@@ -81,14 +81,16 @@ struct CommLocalLayout {
   EPMOE_HD int64_t status_offset() const { return 0; }             // u32: kStatus* bits
   EPMOE_HD int64_t grid_barrier_offset() const { return 4; }       // u32
   EPMOE_HD int64_t dispatch_arrive_offset() const { return 8; }    // u32: last-block counter
-  EPMOE_HD int64_t combine_arrive_offset() const { return 12; }    // u32: last-block counter
+  EPMOE_HD int64_t combine_arrive_offset() const { return 12; }    // u32: last-block counter, phase A
   EPMOE_HD int64_t dispatch_epoch_offset() const { return 16; }    // u64: calls completed
   EPMOE_HD int64_t combine_epoch_offset() const { return 24; }     // u64
-  EPMOE_HD int64_t control_bytes() const { return 32; }
+  EPMOE_HD int64_t combine_done_arrive_offset() const { return 32; }  // u32: last-block counter, phase C
+  EPMOE_HD int64_t control_bytes() const { return 40; }
 
   // [E] int32: per global expert, rows this rank sends there in the current call (atomic cursor).
   EPMOE_HD int64_t cursor_bytes() const { return int64_t(s.num_experts) * 4; }
   // [R][T_max][K] int32: for source s's token t, slot k, the local pool row or -1 (what combine reads).
+  // One entry per slot, so a token may own up to K rows here, several of them in one expert.
   EPMOE_HD int64_t token_rows_bytes() const { return int64_t(s.num_ranks) * s.max_tokens * s.topk * 4; }
   // [R] int32: T_s of the last dispatch, per source.
   EPMOE_HD int64_t recv_tokens_bytes() const { return int64_t(s.num_ranks) * 4; }
