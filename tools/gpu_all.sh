@@ -28,18 +28,18 @@ nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=
 step gpu_check 120 "$bin/epmoe-gpu-check"
 step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
 step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
-step mgpu_tests 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1
+step mgpu_tests 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1
 whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
 if [ -n "$whl" ]; then
-  step python_binding 300 /bin/bash python/tests/gpu_run.sh --wheel "$whl"
+  step python_binding 150 /bin/bash python/tests/gpu_run.sh --wheel "$whl"
 else
-  step python_binding 300 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so"
+  step python_binding 150 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so"
 fi
 if [ "$mode" = full ]; then
   step bench_layer_fp8 240 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 1,8,128,1024,4096,8192
   step bench_layer_bf16 150 "$bin/epmoe-bench" layer --path pipeline,fused --dtype bf16 --tokens 128,4096
   step bench_comm 180 "$bin/epmoe-bench" comm
-  step bench_gemm 240 "$bin/epmoe-bench" gemm
+  step bench_gemm 150 "$bin/epmoe-bench" gemm
 fi
 echo "==== summary ($mode) ===="
 printf '%s\n' "${summary[@]}" | tee "$out/summary.log"
