@@ -6,8 +6,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
 bin=${EPMOE_BIN:-.gpu/bin}
-out=${OUT:-gpu-logs}
-mkdir -p "$out"
+final=${OUT:-gpu-logs}
+mkdir -p "$final"
+# Why a scratch folder and one archive: the device tool brings back at most 8 files.
+out=$(mktemp -d /tmp/epmoe-logs.XXXXXX)
 # Never NVLink multicast: it can take the host's shared GPUs down.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The system libnccl on these machines is 2.28.3 (ABI-incompatible); the 2.28.9 one is in torch's venv.
@@ -43,3 +45,5 @@ if [ "$mode" = full ]; then
 fi
 echo "==== summary ($mode) ===="
 printf '%s\n' "${summary[@]}" | tee "$out/summary.log"
+cp "$out/summary.log" "$final/summary.log"
+tar czf "$final/gpu-logs.tgz" -C "$out" .
