@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <sstream>
@@ -67,6 +68,9 @@ LayerConfig make_config(const ref::Problem& p) {
   cfg.dtype = p.dtype == ref::DType::kFP8 ? DType::kFP8 : DType::kBF16;
   cfg.activation_clamp = p.clamp;
   cfg.pow2_scales = p.pow2_scales;
+  // Why: under compute-sanitizer every kernel runs many times slower, and a peer can lag far
+  // behind; EPMOE_TEST_TIMEOUT_S widens the device-side wait bound for such runs.
+  if (const char* t = std::getenv("EPMOE_TEST_TIMEOUT_S")) cfg.timeout_seconds = std::atof(t);
   return cfg;
 }
 
