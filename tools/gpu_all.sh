@@ -25,12 +25,24 @@ step() {  # step NAME LIMIT_S CMD...
   local rc=$?
   summary+=("$name: $([ $rc = 0 ] && echo ok || echo "FAILED rc=$rc") ($((SECONDS - t0)) s)")
   tail -n 25 "$out/$name.log"
+  save
+}
+# Why after every step: if the whole call is killed at the device tool's limit, what ran so far
+# still comes back.
+save() {
+  printf '%s\n' "${summary[@]}" >"$out/summary.log"
+  cp "$out/summary.log" "$final/summary.log"
+  tar czf "$final/gpu-logs.tgz" -C "$out" .
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$out/nvidia-smi.log" 2>&1
 step gpu_check 120 "$bin/epmoe-gpu-check"
 step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
 step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
-step mgpu_tests 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1
+# The fused path's suite first and fail-fast: a broken megakernel costs one bounded wait, not one
+# per case. Then the benchmark that compares the paths, then everything else.
+step mgpu_fused 150 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerE2EFused.*' --gtest_fail_fast
+[ "$mode" = full ] && step bench_layer_fp8 60 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 1,8,128,1024,4096,8192
+step mgpu_tests 200 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='-LayerE2EFused.*'
 whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
 if [ -n "$whl" ]; then
   step python_binding 150 /bin/bash python/tests/gpu_run.sh --wheel "$whl"
@@ -38,12 +50,10 @@ else
   step python_binding 150 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so"
 fi
 if [ "$mode" = full ]; then
-  step bench_layer_fp8 240 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 1,8,128,1024,4096,8192
   step bench_layer_bf16 150 "$bin/epmoe-bench" layer --path pipeline,fused --dtype bf16 --tokens 128,4096
   step bench_comm 180 "$bin/epmoe-bench" comm
   step bench_gemm 150 "$bin/epmoe-bench" gemm
 fi
 echo "==== summary ($mode) ===="
-printf '%s\n' "${summary[@]}" | tee "$out/summary.log"
-cp "$out/summary.log" "$final/summary.log"
-tar czf "$final/gpu-logs.tgz" -C "$out" .
+printf '%s\n' "${summary[@]}"
+save

@@ -12,6 +12,10 @@
 
 namespace epmoe {
 
+namespace detail {
+struct DispatchAccess;  // internal: the fused layer path reads the kernels' parameters
+}  // namespace detail
+
 /// Precision of the per-(token, expert rank) partial sums that combine sends back.
 enum class PartialPrecision {
   kFloat32,   ///< fp32 partials: y differs from the SPEC summation only by fp32 reassociation.
@@ -93,6 +97,7 @@ class DispatchHandle {
   Status check_errors(cudaStream_t stream);
 
  private:
+  friend struct detail::DispatchAccess;
   struct Impl;
   explicit DispatchHandle(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -15,6 +15,7 @@
 #include "device/layout/comm_layout.h"
 #include "device/layout/expert_pool.h"
 #include "host/check.h"
+#include "host/dispatch_internal.h"
 
 namespace epmoe {
 namespace {
@@ -271,19 +272,7 @@ Status DispatchHandle::dispatch(const void* x, const int32_t* topk_idx, const fl
   if (misaligned(topk_idx, 4)) return detail::invalid("dispatch: topk_idx=", topk_idx, " must be 4-byte aligned");
   if (misaligned(topk_weights, 4))
     return detail::invalid("dispatch: topk_weights=", topk_weights, " must be 4-byte aligned");
-  comm::DispatchParams p{};
-  p.shape = m.shape;
-  p.rank = m.comm->rank();
-  p.x = static_cast<const uint16_t*>(x);
-  p.topk_idx = topk_idx;
-  p.topk_w = topk_weights;
-  p.num_tokens = int(num_tokens);
-  p.pool = m.pool;
-  p.pool_layout = m.pool_layout;
-  p.sym = m.peers();
-  p.local_ws = m.local_ws;
-  p.pow2_scales = m.cfg.pow2_scales;
-  p.timeout_ns = m.timeout_ns();
+  const comm::DispatchParams p = detail::DispatchAccess::dispatch_params(*this, x, topk_idx, topk_weights, num_tokens);
   EPMOE_CUDA_RETURN(comm::launch_dispatch(p, m.blocks_for(num_tokens), stream));
   m.last_tokens = num_tokens;
   return Status::Ok();
@@ -297,6 +286,34 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
   if (num_tokens != m.last_tokens)
     return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
   if (num_tokens > 0 && !y) return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
+  const comm::CombineParams p = detail::DispatchAccess::combine_params(*this, y);
+  EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens), stream));
+  return Status::Ok();
+}
+
+namespace detail {
+
+comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, const void* x, const int32_t* topk_idx,
+                                                     const float* topk_weights, int64_t num_tokens) {
+  const DispatchHandle::Impl& m = *h.impl_;
+  comm::DispatchParams p{};
+  p.shape = m.shape;
+  p.rank = m.comm->rank();
+  p.x = static_cast<const uint16_t*>(x);
+  p.topk_idx = topk_idx;
+  p.topk_w = topk_weights;
+  p.num_tokens = int(num_tokens);
+  p.pool = m.pool;
+  p.pool_layout = m.pool_layout;
+  p.sym = m.peers();
+  p.local_ws = m.local_ws;
+  p.pow2_scales = m.cfg.pow2_scales;
+  p.timeout_ns = m.timeout_ns();
+  return p;
+}
+
+comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void* y) {
+  const DispatchHandle::Impl& m = *h.impl_;
   comm::CombineParams p{};
   p.shape = m.shape;
   p.rank = m.comm->rank();
@@ -306,9 +323,10 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
   p.sym = m.peers();
   p.local_ws = m.local_ws;
   p.timeout_ns = m.timeout_ns();
-  EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens), stream));
-  return Status::Ok();
+  return p;
 }
+
+}  // namespace detail
 
 Status DispatchHandle::check_errors(cudaStream_t stream) {
   Impl& m = *impl_;

@@ -1,14 +1,18 @@
-// MoELayer: the non-fused pipeline (dispatch -> L1 + SwiGLU -> L2 -> combine), stream-ordered,
-// no host sync, so a forward call can be captured in a CUDA graph.
+// MoELayer: the pipeline (dispatch -> L1 + SwiGLU -> L2 -> combine, four kernels) and the fused
+// path (the same four stages in one cooperative megakernel, src/device/kernels/sm90_fused_moe.cuh).
+// Both are stream-ordered with no host sync, so a forward call can be captured in a CUDA graph.
 #include "epmoe/layer.h"
 
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <string>
 
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "host/check.h"
+#include "device/kernels/sm90_fused_launch.h"
+#include "host/dispatch_internal.h"
 #include "host/gemm.h"
 #include "host/layer_impl.h"
 
@@ -17,6 +21,10 @@ namespace epmoe {
 using detail::invalid;
 
 namespace {
+
+// Internal switch of the fused path (Path::kFused). false: forward(kFused) returns kUnsupported
+// and the megakernel stays compiled but unused.
+constexpr bool kFusedPathEnabled = true;
 
 // Device buffer owned by the layer; freed on destruction.
 struct DeviceBuffer {
@@ -69,6 +77,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                                         &plan_l1_));
     EPMOE_RETURN_IF_ERROR(gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
                                         static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_));
+    // Why not fail create: the pipeline works without the megakernel; forward(kFused) reports this.
+    fused_status_ = configure_fused();
     return Status::Ok();
   }
 
@@ -115,10 +125,13 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                  int64_t num_tokens, cudaStream_t stream, Path path) override {
     EPMOE_RETURN_IF_ERROR(validate_call(cfg_, num_tokens, x, topk_idx, topk_weights, y));
     if (!weights_loaded_) return invalid("forward: load_weights() has not been called");
-    if (path == Path::kFused)
-      return Status(StatusCode::kUnsupported,
-                    "forward: path=fused (the megakernel) is not implemented yet; use Path::kPipeline");
-    if (path != Path::kPipeline) return invalid("forward: path=", static_cast<int>(path), " is unknown");
+    if (path == Path::kFused) {
+      if (!kFusedPathEnabled)
+        return Status(StatusCode::kUnsupported,
+                      "forward: path=fused (the megakernel) is disabled in this build; use Path::kPipeline");
+      EPMOE_RETURN_IF_ERROR(fused_status_);
+    }
+    if (path != Path::kPipeline && path != Path::kFused) return invalid("forward: path=", static_cast<int>(path), " is unknown");
 
     // Why here: the plans and the pool belong to the layer's device; launching on another one
     // would fault, and this is the last point at which returning leaves no peer waiting.
@@ -130,6 +143,25 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
     timing_error_ = Status::Ok();
     if (timing_) EPMOE_CUDA_RETURN(cudaEventRecord(stage_events_[0], stream));
+    if (path == Path::kFused) {
+      // One launch; if it fails nothing ran here, and the peers' calls time out as they would if
+      // this rank had not called forward at all.
+      fused::FusedMoeParams fp;
+      fp.dispatch = detail::DispatchAccess::dispatch_params(*dispatch_, x, topk_idx, topk_weights, num_tokens);
+      fp.l1 = plan_l1_.params;
+      fp.l2 = plan_l2_.params;
+      fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
+      const cudaError_t e =
+          cfg_.dtype == DType::kFP8
+              ? fused::launch_sm90_fused_moe_fp8(plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a, plan_l2_.map_b, fp,
+                                                 fused_grid_, stream)
+              : fused::launch_sm90_fused_moe_bf16(plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a, plan_l2_.map_b,
+                                                  fp, fused_grid_, stream);
+      EPMOE_RETURN_IF_ERROR(detail::cuda_status(e, "cudaLaunchKernelEx(sm90_fused_moe)", __FILE__, __LINE__));
+      // Stage timing: the whole call is reported as the first stage, the others as 0.
+      for (int i = 1; i <= 4; ++i) record(i, stream);
+      return Status::Ok();
+    }
     EPMOE_RETURN_IF_ERROR(dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream));
 
     // From here on every peer waits for this rank's combine: an error no longer returns early.
@@ -181,6 +213,20 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   Status timing_error_;  // first failed stage-event record of the last forward call
   cudaEvent_t stage_events_[5] = {};
   gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
+  Status fused_status_;               // why Path::kFused cannot run, or Ok
+  int fused_grid_ = 0;                // cooperative grid of the megakernel
+
+  // The megakernel's attributes and co-resident grid, on the current (the layer's) device.
+  Status configure_fused() {
+    if (!kFusedPathEnabled) return Status::Ok();
+    const cudaError_t e = cfg_.dtype == DType::kFP8 ? fused::configure_sm90_fused_moe_fp8(comm_.device(), &fused_grid_)
+                                                    : fused::configure_sm90_fused_moe_bf16(comm_.device(), &fused_grid_);
+    if (e != cudaSuccess)
+      return Status(StatusCode::kUnsupported, std::string("forward: path=fused is unavailable on this device: "
+                                                          "configuring the megakernel failed: ") +
+                                                  cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+    return Status::Ok();
+  }
 };
 
 }  // namespace

@@ -148,6 +148,40 @@ Status check_output(const ref::Problem& p, const LayerCase& c, int rank, const s
   return Status::Ok();
 }
 
+// y (just computed by the fused path) against the pipeline on the same inputs, and against a
+// second fused call: both must be bitwise equal over this rank's T rows. Collective (every rank
+// makes the same forward calls in the same order).
+Status check_paths_agree(const ref::Problem& p, const LayerCase& c, int rank, MoELayer& layer, RankBuffers& buf,
+                         const std::vector<uint16_t>& y_fused, cudaStream_t stream, int call) {
+  const int T = c.tokens[rank];
+  const size_t n = size_t(T) * p.H;
+  std::vector<uint16_t> other(size_t(p.T_max) * p.H);
+  const Path order[2] = {Path::kPipeline, Path::kFused};
+  const char* what[2] = {"pipeline", "second fused call"};
+  for (int i = 0; i < 2; ++i) {
+    E2E_OK(buf.poison(p, stream));
+    E2E_OK(layer.forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, T, stream, order[i]));
+    E2E_OK(layer.check_device_error(stream));
+    E2E_CUDA(cudaMemcpy(other.data(), buf.y.p, other.size() * 2, cudaMemcpyDeviceToHost));
+    size_t diff = 0, first = n;
+    for (size_t j = 0; j < n; ++j)
+      if (other[j] != y_fused[j]) {
+        if (!diff) first = j;
+        ++diff;
+      }
+    std::printf("[e2e] rank %d %s call %d: fused vs %s: %zu of %zu bf16 values differ\n", rank,
+                c.describe().c_str(), call, what[i], diff, n);
+    if (diff) {
+      std::ostringstream os;
+      os << "rank " << rank << " " << c.describe() << " call " << call << ": fused y differs from the " << what[i]
+         << " in " << diff << " of " << n << " values (first at token " << first / p.H << ", channel "
+         << first % p.H << ": 0x" << std::hex << y_fused[first] << " vs 0x" << other[first] << ")";
+      return fail(os.str());
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string LayerCase::describe() const {
@@ -159,6 +193,7 @@ std::string LayerCase::describe() const {
   if (clamp > 0) os << "/clamp=" << clamp;
   if (pow2_scales) os << "/pow2";
   if (duplicate_experts) os << "/dup_experts";
+  if (path == Path::kFused) os << "/fused";
   return os.str();
 }
 
@@ -214,6 +249,7 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
     E2E_OK(layer->check_device_error(stream));
     E2E_CUDA(cudaMemcpy(y.data(), buf.y.p, y.size() * 2, cudaMemcpyDeviceToHost));
     E2E_OK(check_output(p, c, rank, y, inputs, weights, call_seed, call));
+    if (c.path == Path::kFused && c.cross_check_paths) E2E_OK(check_paths_agree(p, c, rank, *layer, buf, y, stream, call));
   }
   E2E_OK(layer->check_device_error(stream));
   if (graph_exec) cudaGraphExecDestroy(graph_exec);

@@ -35,6 +35,9 @@ struct LayerCase {
   bool pow2_scales = false;
   bool duplicate_experts = false;  // every third token names its slot-0 expert again in slot 1
   Path path = Path::kPipeline;
+  // With path = kFused, on every checked call also: the pipeline on the same inputs must give a
+  // bitwise identical y, and a second fused call must too (determinism).
+  bool cross_check_paths = true;
   std::string describe() const;
 };
 

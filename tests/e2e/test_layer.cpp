@@ -30,66 +30,96 @@ LayerCase make(Shape s, DType d, Routing r, std::vector<int> t = {}) {
   return c;
 }
 
+// Each case runs on both paths: LayerE2E.<name> (the pipeline) and LayerE2EFused.<name> (the
+// megakernel, which also checks that its y is bitwise the pipeline's and bitwise repeatable).
+// Cases marked kPipelineOnly run on the pipeline only (the fused suite keeps the mgpu run within
+// its time budget and covers the same code paths through the other cases).
+enum Paths { kBothPaths, kPipelineOnly };
+
+LayerCase fused(LayerCase c) {
+  c.path = Path::kFused;
+  return c;
+}
+
+#define E2E_CASE(Name, paths, timeout_s, ...)                                                       \
+  LayerCase Name##_case() { __VA_ARGS__ }                                                            \
+  TEST(LayerE2E, Name) { run_case(Name##_case(), 2, timeout_s); }                                     \
+  TEST(LayerE2EFused, Name) {                                                                         \
+    if (paths == kPipelineOnly) GTEST_SKIP() << "pipeline-only case";                                \
+    run_case(fused(Name##_case()), 2, timeout_s);                                                     \
+  }
+
 // ---- Shapes x dtypes --------------------------------------------------------------------------
-TEST(LayerE2E, Dsv3Fp8) {
+E2E_CASE(Dsv3Fp8, kBothPaths, 240, {
   LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {512, 384});
   c.sample_per_rank = 12;
-  run_case(c);
-}
-TEST(LayerE2E, Dsv3Bf16) {
+  return c;
+})
+E2E_CASE(Dsv3Bf16, kPipelineOnly, 240, {
   LayerCase c = make(kDsv3, DType::kBF16, Routing::kUniform, {384, 512});
   c.sample_per_rank = 12;
-  run_case(c);
-}
-TEST(LayerE2E, Qwen3Fp8) { run_case(make(kQwen3, DType::kFP8, Routing::kUniform, {1024, 777})); }
-TEST(LayerE2E, Qwen3Bf16) { run_case(make(kQwen3, DType::kBF16, Routing::kUniform, {1024, 777})); }
-TEST(LayerE2E, Top2Fp8) { run_case(make(kTop2, DType::kFP8, Routing::kUniform, {500, 300})); }
-TEST(LayerE2E, Top2Bf16) { run_case(make(kTop2, DType::kBF16, Routing::kUniform, {300, 500})); }
+  return c;
+})
+E2E_CASE(Qwen3Fp8, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kUniform, {1024, 777}); })
+E2E_CASE(Qwen3Bf16, kBothPaths, 240, { return make(kQwen3, DType::kBF16, Routing::kUniform, {1024, 777}); })
+E2E_CASE(Top2Fp8, kPipelineOnly, 240, { return make(kTop2, DType::kFP8, Routing::kUniform, {500, 300}); })
+E2E_CASE(Top2Bf16, kBothPaths, 240, { return make(kTop2, DType::kBF16, Routing::kUniform, {300, 500}); })
 
 // ---- Routing cases (Qwen3-like shape, both dtypes where cheap) ---------------------------------
-TEST(LayerE2E, ZipfFp8) { run_case(make(kQwen3, DType::kFP8, Routing::kZipf, {1024, 1024})); }
-TEST(LayerE2E, ZipfBf16) { run_case(make(kQwen3, DType::kBF16, Routing::kZipf, {1024, 1024})); }
-TEST(LayerE2E, AllTokensToOneExpert) { run_case(make(kQwen3, DType::kFP8, Routing::kOneExpert, {700, 600})); }
-TEST(LayerE2E, AllTokensToOneRank) { run_case(make(kQwen3, DType::kFP8, Routing::kOneRank, {512, 512})); }
-TEST(LayerE2E, MaskedSlots) { run_case(make(kQwen3, DType::kFP8, Routing::kMasked, {512, 300})); }
-TEST(LayerE2E, MaskedSlotsBf16) { run_case(make(kTop2, DType::kBF16, Routing::kMasked, {512, 300})); }
-TEST(LayerE2E, DuplicateRanks) { run_case(make(kQwen3, DType::kFP8, Routing::kDuplicateRanks, {256, 256})); }
-TEST(LayerE2E, ExpertNamedTwiceInOneToken) {
+E2E_CASE(ZipfFp8, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kZipf, {1024, 1024}); })
+E2E_CASE(ZipfBf16, kPipelineOnly, 240, { return make(kQwen3, DType::kBF16, Routing::kZipf, {1024, 1024}); })
+E2E_CASE(AllTokensToOneExpert, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kOneExpert, {700, 600}); })
+E2E_CASE(AllTokensToOneRank, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kOneRank, {512, 512}); })
+E2E_CASE(MaskedSlots, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kMasked, {512, 300}); })
+E2E_CASE(MaskedSlotsBf16, kPipelineOnly, 240, { return make(kTop2, DType::kBF16, Routing::kMasked, {512, 300}); })
+E2E_CASE(DuplicateRanks, kPipelineOnly, 240, { return make(kQwen3, DType::kFP8, Routing::kDuplicateRanks, {256, 256}); })
+E2E_CASE(ExpertNamedTwiceInOneToken, kBothPaths, 240, {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {256, 256});
   c.duplicate_experts = true;
-  run_case(c);
-}
-TEST(LayerE2E, ZeroTokensOnOneRank) {
+  return c;
+})
+E2E_CASE(ZeroTokensOnOneRank, kBothPaths, 240, {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {0, 333});
   c.max_tokens = 512;
-  run_case(c);
-}
-TEST(LayerE2E, ZeroTokensEverywhere) {
+  return c;
+})
+E2E_CASE(ZeroTokensEverywhere, kBothPaths, 240, {
   LayerCase c = make(kTop2, DType::kBF16, Routing::kUniform, {0, 0});
   c.max_tokens = 64;
-  run_case(c);
-}
-TEST(LayerE2E, UnequalTokens) { run_case(make(kTop2, DType::kFP8, Routing::kZipf, {1, 999})); }
-TEST(LayerE2E, ClampAndPow2Scales) {
+  return c;
+})
+E2E_CASE(UnequalTokens, kBothPaths, 240, { return make(kTop2, DType::kFP8, Routing::kZipf, {1, 999}); })
+E2E_CASE(ClampAndPow2Scales, kBothPaths, 240, {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {256, 200});
   c.clamp = 0.5f;  // gate and up are O(1) here, so the clamp is active on a good share of them
   c.pow2_scales = true;
-  run_case(c);
-}
+  return c;
+})
 
 // ---- Repetition and graphs ----------------------------------------------------------------------
-TEST(LayerE2E, ThousandCallsFreshRouting) {
+E2E_CASE(ThousandCallsFreshRouting, kBothPaths, 400, {
   LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {96, 64});
   c.shape = Shape{"small", 8, 512, 256, 4};
   c.calls = 1000;
   c.check_every = 100;
   c.sample_per_rank = 96;
-  run_case(c, 2, 400);
-}
-TEST(LayerE2E, CudaGraphReplay) {
+  return c;
+})
+E2E_CASE(CudaGraphReplay, kBothPaths, 240, {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {256, 192});
   c.calls = 4;
   c.graph = true;
+  return c;
+})
+
+// Calls alternate between the paths on one layer: both share the dispatch/combine epochs and the
+// pool, so a fused call right after a pipeline call (and back) must see consistent state.
+TEST(LayerE2EFused, AlternatingPaths) {
+  EPMOE_REQUIRE_RANKS(2);
+  LayerCase c = fused(make(kTop2, DType::kFP8, Routing::kUniform, {200, 150}));
+  c.shape = Shape{"small", 8, 512, 256, 4};
+  c.calls = 6;
+  c.check_every = 1;  // every call: fused, then pipeline and fused again inside the check
   run_case(c);
 }
 

@@ -16,7 +16,6 @@ using layout::CommShape;
 using layout::CommSymLayout;
 using layout::SlotMeta;
 
-constexpr int kWarps = kCommThreads / 32;
 constexpr int kPullVecs = 8;                 // 16-byte vectors per lane in flight while pulling
 constexpr int kSliceVecs = 32 * kPullVecs;   // one work unit pulls this many vectors of a token row
 constexpr int kQuantPairs = 8;               // 128-channel group pairs loaded before quantizing

@@ -21,6 +21,7 @@ struct WaitSite {
   uint32_t* status;  // the device status word; may be null
 };
 
+#ifndef EPMOE_COMM_WAIT_NO_PRINTF
 [[noreturn]] __device__ __noinline__ inline void wait_timed_out(const WaitSite& site, const char* flag, int index,
                                                                  uint64_t expected, uint64_t seen,
                                                                  uint64_t waited_ns) {
@@ -36,6 +37,33 @@ struct WaitSite {
   trap();
   __builtin_unreachable();
 }
+#else
+// Kernels that also issue wgmma (the fused megakernel) define EPMOE_COMM_WAIT_NO_PRINTF before
+// including this header. Why: any call in such a kernel, printf included, makes ptxas serialize
+// every wgmma (warning C7510). The record goes to a device global (one per translation unit, as
+// in pipeline/sm90_watchdog.cuh) that a debugger or core dump shows, then the grid traps.
+struct CommTimeoutRecord {
+  int rank, block, thread, index;
+  unsigned long long expected, seen, waited_ns;
+};
+static __device__ CommTimeoutRecord g_comm_timeout;
+
+[[noreturn]] __device__ __forceinline__ void wait_timed_out(const WaitSite& site, const char*, int index,
+                                                            uint64_t expected, uint64_t seen, uint64_t waited_ns) {
+  if (site.status) red_or_relaxed_gpu(site.status, kStatusTimeout);
+  volatile CommTimeoutRecord* r = &g_comm_timeout;
+  r->rank = site.rank;
+  r->block = int(blockIdx.x);
+  r->thread = int(threadIdx.x);
+  r->index = index;
+  r->expected = expected;
+  r->seen = seen;
+  r->waited_ns = waited_ns;
+  __threadfence_system();
+  trap();
+  __builtin_unreachable();
+}
+#endif
 
 // Waits until *p >= expected with system-scope acquire (the writer is on another GPU).
 // Why relaxed polling: an acquire on every iteration orders (and stalls) the waiting SM's other

@@ -13,132 +13,21 @@
 //   4  last block: tell every source we are done reading, reset cursors, advance the epoch
 #include <cuda_runtime.h>
 
-#include "device/comm/dispatch_device.cuh"
-#include "device/comm/grid_barrier.h"
-#include "device/comm/wait.h"
+#include "device/comm/dispatch_phases.cuh"
 
 namespace epmoe::comm {
 namespace {
 
-using namespace dispatch_detail;
-
 template <bool kFp8>
 __global__ void __launch_bounds__(kCommThreads, 1) sm90_dispatch_kernel(DispatchParams p) {
   extern __shared__ int smem[];
-  const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
-  const CommLocalLayout loc{s};
-  const int R = s.num_ranks, E_loc = s.experts_per_rank();
-  const int warp = threadIdx.x >> 5;
-  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
-  char* me = p.sym.ptr[p.rank];
-  char* ws = p.local_ws;
-  uint32_t* status = reinterpret_cast<uint32_t*>(ws + loc.status_offset());
-  int32_t* cursor = reinterpret_cast<int32_t*>(ws + loc.cursor_offset());
-  uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.dispatch_epoch_offset());
-  const WaitSite site{p.rank, p.timeout_ns, status};
-  const uint64_t epoch = ld_relaxed_gpu(epoch_word) + 1;
-
-  // Phase 0: our staging and the counts we wrote last call may still be read by a destination.
-  if (threadIdx.x < R)
-    wait_geq_acquire_sys(site, flag_ptr(me, sym, layout::kFlagDispatchReadDone, threadIdx.x), epoch - 1,
-                         "dispatch_read_done", threadIdx.x);
-  __syncthreads();
-
-  // Phase 1: stage our tokens.
-  SlotMeta* meta = reinterpret_cast<SlotMeta*>(me + sym.stage_meta_offset());
-  for (int t = gwarp; t < p.num_tokens; t += nwarps) {
-    stage_routing(p, t, meta, cursor, status);
-    stage_token<kFp8>(p, t, me + sym.stage_x_offset(), reinterpret_cast<float*>(me + sym.stage_scale_offset()));
-  }
-  grid_barrier(reinterpret_cast<uint32_t*>(ws + loc.grid_barrier_offset()), site);
-
-  // Publish how many rows we send to each destination's experts, and our T.
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < R * (E_loc + 1); i += blockDim.x) {
-      const int d = i / (E_loc + 1), e = i % (E_loc + 1);
-      const int v = e < E_loc ? cursor[d * E_loc + e] : p.num_tokens;
-      p.sym.at<int32_t>(d, sym.counts_offset())[p.rank * sym.counts_stride() + e] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < R) {
-      fence_acq_rel_sys();
-      st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReady, p.rank)), epoch);
-    }
-  }
-
-  // Phase 2: every source's counts -> our expert segments.
-  if (threadIdx.x < R)
-    wait_geq_acquire_sys(site, flag_ptr(me, sym, layout::kFlagDispatchReady, threadIdx.x), epoch,
-                         "dispatch_ready", threadIdx.x);
-  __syncthreads();
-  int* base = smem;            // [R][E_loc]
-  int* seg = smem + R * E_loc;  // [E_loc + 1]
-  const int32_t* counts = reinterpret_cast<const int32_t*>(me + sym.counts_offset());
-  layout_segments(s, counts, sym.counts_stride(), p.pool_layout.s.row_align, base, seg);
-  __syncthreads();
-  __shared__ int tokens_of[layout::kCommMaxRanks];
-  __shared__ int max_tokens_seen;
-  if (threadIdx.x == 0) {
-    int mx = 0;
-    for (int r = 0; r < R; ++r) {
-      tokens_of[r] = counts[r * sym.counts_stride() + E_loc];
-      mx = max(mx, tokens_of[r]);
-    }
-    max_tokens_seen = mx;
-  }
-  __syncthreads();
-
-  const layout::ExpertPoolLayout& pl = p.pool_layout;
-  if (blockIdx.x == 0) {
-    int32_t* ecount = reinterpret_cast<int32_t*>(p.pool + pl.expert_count_offset());
-    int32_t* eoff = reinterpret_cast<int32_t*>(p.pool + pl.expert_offset_offset());
-    int32_t* recv_tokens = reinterpret_cast<int32_t*>(ws + loc.recv_tokens_offset());
-    for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) {
-      eoff[e] = seg[e];
-      if (e < E_loc) ecount[e] = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e] - seg[e];
-    }
-    if (threadIdx.x < R) recv_tokens[threadIdx.x] = tokens_of[threadIdx.x];
-  }
-  // Padding rows of each segment: weight 0 and an invalid source, so nothing reads garbage.
-  // Why the clamp: counts from peers that disagree with our pool size must not write past it
-  // (pull_token_slice drops such rows the same way and reports them).
-  const int max_rows = int(pl.max_rows());
-  for (int e = blockIdx.x; e < E_loc; e += gridDim.x) {
-    const int end = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e];
-    const int pad_end = min(seg[e + 1], max_rows);
-    for (int r = end + threadIdx.x; r < pad_end; r += blockDim.x) {
-      reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[r] = 0.f;
-      reinterpret_cast<uint32_t*>(p.pool + pl.row_source_offset())[r] = kInvalidRowSource;
-    }
-  }
-
-  // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the
-  // local copies overlap, and slices keep a small call's latency chain short.
-  int32_t* token_rows = reinterpret_cast<int32_t*>(ws + loc.token_rows_offset());
-  const int slices = pull_slices(s);
-  const int64_t units = int64_t(max_tokens_seen) * R * slices;
-  for (int64_t u = gwarp; u < units; u += nwarps) {
-    const int slice = int(u % slices);
-    const int64_t item = u / slices;
-    const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
-    if (t < tokens_of[src]) pull_token_slice<kFp8>(p, sym, src, t, slice, base, token_rows, status);
-  }
-
-  // Phase 4.
-  if (arrive_is_last_block(reinterpret_cast<uint32_t*>(ws + loc.dispatch_arrive_offset()))) {
-    if (threadIdx.x < R)
-      st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)),
-                     epoch);
-    for (int e = threadIdx.x; e < s.num_experts; e += blockDim.x) cursor[e] = 0;
-    if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);
-  }
+  dispatch_phases<kFp8, kCommThreads / 32>(p, smem);
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
-  const int smem = int((p.shape.num_ranks + 1) * p.shape.experts_per_rank() + 1) * int(sizeof(int));
+  const int smem = dispatch_smem_ints(p.shape) * int(sizeof(int));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(num_blocks);
   cfg.blockDim = dim3(kCommThreads);

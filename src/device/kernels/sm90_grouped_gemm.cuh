@@ -52,6 +52,66 @@ struct Sm90GroupedGemmConfig {
   static_assert(kMathWarpgroups * 128 == kNumThreads, "every warp is a math warp (see the header comment)");
 };
 
+// The persistent tile loop of one grouped GEMM on an initialised pipeline: every thread of the
+// block calls it. `producer_st` (meaningful in thread 0, the producer) and `consumer_st` (every
+// math thread) are where the ring stands; both come back advanced by the K blocks this block
+// loaded and consumed, which are equal. Why carried states: the fused kernel runs L1 and then L2
+// on the same ring and barriers, so L2 continues at the phase L1 stopped at instead of
+// re-initialising barriers that may still be mid-phase.
+template <class Cfg>
+__device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                                        const GroupedGemmParams& p,
+                                                        const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
+                                                        typename Cfg::Mainloop::State& producer_st,
+                                                        typename Cfg::Mainloop::State& consumer_st) {
+  using Mainloop = typename Cfg::Mainloop;
+  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
+  const bool is_producer = threadIdx.x == 0;
+  typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem, typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
+  producer.st = producer_st;
+  if (is_producer) producer.start();
+  __syncwarp();
+  // Why __syncwarp: the producer lane diverged; wgmma needs the whole warp converged.
+  auto after_release = [&] {
+    if (is_producer) producer.issue_next();
+    __syncwarp();
+  };
+
+  const int wg = threadIdx.x / 128;
+  const int num_k_blocks = p.k / Cfg::kBlockK;
+  typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
+  typename Mainloop::State& st = consumer_st;
+  scheduler::GemmTile tile;
+  float acc[128];
+  while (sched.next(tile)) {
+    const float* b_scale[2] = {nullptr, nullptr};
+    if constexpr (Cfg::kFp8) {
+      static_assert(Cfg::kBlockK == kScaleBlock, "one weight scale per K block: num_k_blocks is k / 128");
+      // Why the empty asm: it keeps n / 128 from becoming a loop invariant held across the tile
+      // loop; the fused kernel's FP8 loop sits at 255 registers, and that one value spilled.
+      int n_weight_rows = p.n;
+      asm volatile("" : "+r"(n_weight_rows));
+      const int n_blocks128 = n_weight_rows / kScaleBlock;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int nb = tile.n_block * (kBlockN / kScaleBlock) + h;
+        // Why a 32-bit index (< 2^27 by the limits E_loc <= 1024, N <= 65536, K <= 32768) and
+        // num_k_blocks: extra 64-bit loop invariants here pushed the fused kernel's FP8 tile loop
+        // into spills.
+        if (nb < n_blocks128) b_scale[h] = p.b_scale + (tile.expert * n_blocks128 + nb) * num_k_blocks;
+      }
+    }
+    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg, after_release))
+      pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, st.index, st.phase, sched.next_linear);
+    if constexpr (Cfg::kSwiGLU) {
+      Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
+    } else {
+      Sm90EpilogueStoreBf16::run(acc, p, tile, wg);
+    }
+  }
+  producer_st = producer.st;
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -64,43 +124,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const typename Mainloop::Pipe pipe{bars, bars + Cfg::kStages};
   if (threadIdx.x == 0) pipe.init(kMathWarpgroups * 4);  // one arrive per math warp
   __syncthreads();
-
-  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
-  const bool is_producer = threadIdx.x == 0;
-  typename Cfg::Producer producer{&tmap_a, &tmap_b, &p, pipe, smem, typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
-  if (is_producer) producer.start();
-  __syncwarp();
-  // Why __syncwarp: the producer lane diverged; wgmma needs the whole warp converged.
-  auto after_release = [&] {
-    if (is_producer) producer.issue_next();
-    __syncwarp();
-  };
-
-  const int wg = threadIdx.x / 128;
-  const int num_k_blocks = p.k / Cfg::kBlockK;
-  typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
-  typename Mainloop::State st;
-  scheduler::GemmTile tile;
-  float acc[128];
-  while (sched.next(tile)) {
-    const float* b_scale[2] = {nullptr, nullptr};
-    if constexpr (Cfg::kFp8) {
-      const int n_blocks128 = p.n / kScaleBlock;
-      const int k_blocks128 = p.k / kScaleBlock;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int nb = tile.n_block * (kBlockN / kScaleBlock) + h;
-        if (nb < n_blocks128) b_scale[h] = p.b_scale + (int64_t(tile.expert) * n_blocks128 + nb) * k_blocks128;
-      }
-    }
-    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg, after_release))
-      pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, st.index, st.phase, sched.next_linear);
-    if constexpr (Cfg::kSwiGLU) {
-      Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
-    } else {
-      Sm90EpilogueStoreBf16::run(acc, p, tile, wg);
-    }
-  }
+  typename Mainloop::State producer_st{}, consumer_st{};
+  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, p, pipe, smem, producer_st, consumer_st);
 }
 
 }  // namespace epmoe::gemm

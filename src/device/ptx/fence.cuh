@@ -10,6 +10,13 @@ __device__ __forceinline__ void fence_proxy_async_shared_cta() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// Generic-proxy global writes by this thread are ordered before later async-proxy (TMA) accesses
+// to them. The fused kernel's writers (dispatch into x_pool, the L1 epilogue into a_pool) issue it
+// before the grid barrier after which TMA reads those rows in the same kernel.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // Named barriers: `count` threads (a multiple of 32) take part; id 0 is __syncthreads'.
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");

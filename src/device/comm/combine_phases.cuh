@@ -1,0 +1,199 @@
+// The phases of the combine (docs/COMM.md), as one device function that any cooperatively
+// launched kernel of kWarps warps per block can call: the standalone combine kernel
+// (sm90_combine.cu, 16 warps) and the fused megakernel (sm90_fused_moe.cuh, 8 warps).
+//   0  wait until every source finished reading the partials we pushed last call (epoch - 1)
+//   A  partial sums -> source ranks' symmetric buffers; last block flags combine_ready
+//   B  wait for every expert rank's partials; y[t] = bf16(sum over ranks with a valid slot)
+//   C  last block: tell every expert rank we are done reading, advance the epoch
+// The result does not depend on kWarps or the grid: every token is summed in slot order, then
+// in rank order, by one warp.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "device/comm/dispatch_params.h"
+#include "device/comm/grid_barrier.h"
+#include "device/comm/ptx_sync.h"
+#include "device/comm/wait.h"
+
+namespace epmoe::comm {
+namespace combine_detail {
+
+using layout::CommLocalLayout;
+using layout::CommShape;
+using layout::CommSymLayout;
+using layout::SlotMeta;
+
+constexpr int kVecs = 4;  // 8-channel vectors per lane per pass
+
+__device__ __forceinline__ void add_bf16x8(float* acc, const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] += __uint_as_float(w[i] << 16);
+    acc[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+__device__ __forceinline__ uint4 pack_bf16x8(const float* a) {
+  return make_uint4(cvt_rn_bf16x2(a[0], a[1]), cvt_rn_bf16x2(a[2], a[3]), cvt_rn_bf16x2(a[4], a[5]),
+                    cvt_rn_bf16x2(a[6], a[7]));
+}
+
+// Partial row storage: 8 channels are one bf16 vector or two fp32 vectors.
+template <int kPartialBytes>
+__device__ __forceinline__ void store_partial8(char* row, int v, const float* a) {
+  if constexpr (kPartialBytes == 4) {
+    float4* p = reinterpret_cast<float4*>(row) + 2 * v;
+    p[0] = make_float4(a[0], a[1], a[2], a[3]);
+    p[1] = make_float4(a[4], a[5], a[6], a[7]);
+  } else {
+    reinterpret_cast<uint4*>(row)[v] = pack_bf16x8(a);
+  }
+}
+template <int kPartialBytes>
+__device__ __forceinline__ void add_partial8(float* acc, const char* row, int v) {
+  if constexpr (kPartialBytes == 4) {
+    const float4* p = reinterpret_cast<const float4*>(row) + 2 * v;
+    const float4 a = p[0], b = p[1];
+    acc[0] += a.x; acc[1] += a.y; acc[2] += a.z; acc[3] += a.w;
+    acc[4] += b.x; acc[5] += b.y; acc[6] += b.z; acc[7] += b.w;
+  } else {
+    add_bf16x8(acc, reinterpret_cast<const uint4*>(row)[v]);
+  }
+}
+
+constexpr int kSliceVecs = 32 * kVecs;  // one work unit covers this many 8-channel vectors of a row
+
+// Phase A for one slice of one (source, token): sum our rows of it in slot order, push one partial.
+// Why rows in pairs: two rows' loads are in flight together; the sum order stays the slot order.
+template <int kPartialBytes>
+__device__ __forceinline__ void push_partial_slice(const CombineParams& p, const CommSymLayout& sym, int src, int t,
+                                                   int slice, const int32_t* token_rows) {
+  const CommShape& s = p.shape;
+  const int K = s.topk, lane = threadIdx.x & 31, nvec = s.hidden / 8, v0 = slice * kSliceVecs;
+  const int row = lane < K ? token_rows[(int64_t(src) * s.max_tokens + t) * K + lane] : -1;
+  const unsigned mask = __ballot_sync(0xFFFFFFFFu, row >= 0);
+  if (mask == 0) return;
+  const char* o_pool = p.pool + p.pool_layout.o_pool_offset();
+  const int64_t row_bytes = int64_t(s.hidden) * 2;
+  float acc[kVecs][8] = {};
+  for (unsigned mk = mask; mk;) {
+    const int k1 = __ffs(mk) - 1;
+    mk &= mk - 1;
+    const bool two = mk != 0;
+    const int k2 = two ? __ffs(mk) - 1 : k1;
+    if (two) mk &= mk - 1;
+    const int r1 = __shfl_sync(0xFFFFFFFFu, row, k1), r2 = __shfl_sync(0xFFFFFFFFu, row, k2);
+    const uint4* a = reinterpret_cast<const uint4*>(o_pool + int64_t(r1) * row_bytes);
+    const uint4* b = reinterpret_cast<const uint4*>(o_pool + int64_t(r2) * row_bytes);
+    uint4 ba[kVecs], bb[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int v = v0 + j * 32 + lane;
+      if (v < nvec) {
+        ba[j] = a[v];
+        if (two) bb[j] = b[v];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (v0 + j * 32 + lane >= nvec) continue;
+      add_bf16x8(acc[j], ba[j]);
+      if (two) add_bf16x8(acc[j], bb[j]);
+    }
+  }
+  char* dst = p.sym.ptr[src] + sym.partials_offset() + (int64_t(p.rank) * s.max_tokens + t) * sym.partial_row_bytes();
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = v0 + j * 32 + lane;
+    if (v < nvec) store_partial8<kPartialBytes>(dst, v, acc[j]);
+  }
+}
+
+// Phase B for one slice of one of our tokens: y[t] = bf16(sum over expert ranks, in rank order).
+template <int kPartialBytes>
+__device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const CommSymLayout& sym, int t,
+                                                   int slice) {
+  const CommShape& s = p.shape;
+  const int K = s.topk, lane = threadIdx.x & 31, nvec = s.hidden / 8, E_loc = s.experts_per_rank();
+  const int v0 = slice * kSliceVecs;
+  const SlotMeta* meta = reinterpret_cast<const SlotMeta*>(p.sym.ptr[p.rank] + sym.stage_meta_offset());
+  const int e = lane < K ? meta[int64_t(t) * K + lane].expert : -1;
+  const unsigned ranks = __reduce_or_sync(0xFFFFFFFFu, e >= 0 ? 1u << (e / E_loc) : 0u);
+  const char* partials = p.sym.ptr[p.rank] + sym.partials_offset();
+  uint4* y = reinterpret_cast<uint4*>(p.y + int64_t(t) * s.hidden);
+  float acc[kVecs][8] = {};
+  for (unsigned rk = ranks; rk; rk &= rk - 1) {
+    const int d = __ffs(rk) - 1;
+    const char* row = partials + (int64_t(d) * s.max_tokens + t) * sym.partial_row_bytes();
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j)
+      if (v0 + j * 32 + lane < nvec) add_partial8<kPartialBytes>(acc[j], row, v0 + j * 32 + lane);
+  }
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = v0 + j * 32 + lane;
+    if (v < nvec) y[v] = pack_bf16x8(acc[j]);
+  }
+}
+
+template <int kPartialBytes, int kWarps>
+__device__ __forceinline__ void combine_phases(const CombineParams& p) {
+  const CommShape& s = p.shape;
+  const CommSymLayout sym{s};
+  const CommLocalLayout loc{s};
+  const int R = s.num_ranks;
+  const int gwarp = blockIdx.x * kWarps + (threadIdx.x >> 5), nwarps = gridDim.x * kWarps;
+  char* me = p.sym.ptr[p.rank];
+  char* ws = p.local_ws;
+  uint32_t* status = reinterpret_cast<uint32_t*>(ws + loc.status_offset());
+  // Why two counters: phase C must not depend on phase A's last block having reset the first one.
+  uint32_t* arrive_a = reinterpret_cast<uint32_t*>(ws + loc.combine_arrive_offset());
+  uint32_t* arrive_c = reinterpret_cast<uint32_t*>(ws + loc.combine_done_arrive_offset());
+  uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.combine_epoch_offset());
+  const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
+  const WaitSite site{p.rank, p.timeout_ns, status};
+  const uint64_t epoch = ld_relaxed_gpu(epoch_word) + 1;
+
+  // Phase 0: a source may still be reading the partials we pushed into its buffer last call.
+  if (threadIdx.x < R)
+    wait_geq_acquire_sys(site, reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineDone, threadIdx.x)),
+                         epoch - 1, "combine_done", threadIdx.x);
+  __syncthreads();
+
+  // Phase A.
+  int max_t = 0;
+  for (int r = 0; r < R; ++r) max_t = max(max_t, recv_tokens[r]);
+  const int32_t* token_rows = reinterpret_cast<const int32_t*>(ws + loc.token_rows_offset());
+  const int slices = (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
+  for (int64_t u = gwarp; u < int64_t(max_t) * R * slices; u += nwarps) {
+    const int slice = int(u % slices);
+    const int64_t item = u / slices;
+    const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
+    if (t < recv_tokens[src]) push_partial_slice<kPartialBytes>(p, sym, src, t, slice, token_rows);
+  }
+  if (arrive_is_last_block(arrive_a) && threadIdx.x < R)
+    st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
+
+  // Phase B.
+  if (threadIdx.x < R)
+    wait_geq_acquire_sys(site, reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineReady, threadIdx.x)),
+                         epoch, "combine_ready", threadIdx.x);
+  __syncthreads();
+  const int T = recv_tokens[p.rank];
+  for (int64_t u = gwarp; u < int64_t(T) * slices; u += nwarps)
+    reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
+
+  // Phase C.
+  if (arrive_is_last_block(arrive_c)) {
+    if (threadIdx.x < R)
+      st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
+    if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);
+  }
+}
+
+}  // namespace combine_detail
+
+using combine_detail::combine_phases;
+
+}  // namespace epmoe::comm

@@ -1,0 +1,35 @@
+// Host-callable entry points of the fused MoE megakernel (one translation unit per dtype keeps
+// the heavy template instantiations apart). Called by src/host/layer.cpp.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include "device/comm/dispatch_params.h"
+#include "device/gemm/sm90_gemm_params.h"
+
+namespace epmoe::fused {
+
+// Everything one fused call needs besides the four tensor maps: the standalone kernels' params,
+// unchanged (built by the DispatchHandle and the GEMM plans), so both paths read the same buffers.
+struct FusedMoeParams {
+  comm::DispatchParams dispatch;
+  gemm::GroupedGemmParams l1;
+  gemm::GroupedGemmParams l2;
+  comm::CombineParams combine;
+};
+
+// Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and
+// returns in *grid the cooperative grid: SM count x resident blocks per SM from the occupancy
+// API (1 with the GEMM's ~195 KB ring). Thread-safe; cheap after the first call per device.
+cudaError_t configure_sm90_fused_moe_fp8(int device, int* grid);
+cudaError_t configure_sm90_fused_moe_bf16(int device, int* grid);
+
+// One cooperative cudaLaunchKernelEx; returns its result and makes no other CUDA call.
+// a1/b1: L1's maps (pool x rows, W1'), a2/b2: L2's (pool a rows, W2), as built by the GEMM plans.
+cudaError_t launch_sm90_fused_moe_fp8(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2,
+                                      const CUtensorMap& b2, const FusedMoeParams& p, int grid, cudaStream_t stream);
+cudaError_t launch_sm90_fused_moe_bf16(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2,
+                                       const CUtensorMap& b2, const FusedMoeParams& p, int grid, cudaStream_t stream);
+
+}  // namespace epmoe::fused
