@@ -87,7 +87,7 @@ __device__ __forceinline__ void stage_token(const DispatchParams& p, int t, char
         float amax = absmax8_bf16(val[j]);
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-        const float s = quant_scale_1x128(amax, p.pow2_scales);
+        const float s = scale_1x128(amax, p.pow2_scales);
         if (g < G) {
           dst[g * 16 + (lane & 15)] = quantize8_e4m3(val[j], s);
           if ((lane & 15) == 0) stage_scale[int64_t(t) * G + g] = s;

@@ -4,21 +4,12 @@
 #include <cstdint>
 
 #include "device/comm/ptx_sync.h"
+#include "device/quant/fp8_scale.cuh"
 
 namespace epmoe::comm {
 
-// s = max(amax, 1e-4) / 448 with an IEEE division; pow2 rounds up to a power of two, exactly.
-__device__ __forceinline__ float quant_scale_1x128(float amax, bool pow2) {
-  float s = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-  if (pow2) {
-    // Why the bit trick is exact: s is a positive normal float; a non-zero mantissa means the next
-    // power of two is one exponent step up with the mantissa cleared.
-    uint32_t b = __float_as_uint(s);
-    if (b & 0x007FFFFFu) b = (b & 0xFF800000u) + 0x00800000u;
-    s = __uint_as_float(b);
-  }
-  return s;
-}
+// SPEC's scale rule lives in one place for the whole library.
+using quant::scale_1x128;
 
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 

@@ -10,22 +10,10 @@
 
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/ptx/ld_st.cuh"
+#include "device/quant/fp8_scale.cuh"
 #include "device/scheduler/sm90_grouped_scheduler.cuh"
 
 namespace epmoe::gemm {
-
-// SPEC step 5: s = max(amax, 1e-4) / 448 as an IEEE division, optionally rounded up to a power
-// of two (a power of two stays). s is always a normal float here, so clearing the mantissa and
-// bumping the exponent is the exact round-up.
-__device__ __forceinline__ float quant_scale_1x128(float amax, bool pow2) {
-  float s = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-  if (pow2) {
-    uint32_t b = __float_as_uint(s);
-    if (b & 0x7FFFFFu) b = (b & 0xFF800000u) + 0x800000u;
-    s = __uint_as_float(b);
-  }
-  return s;
-}
 
 // Why the accurate expf and a true division (not __expf / __fdividef): the activation feeds an
 // FP8 requant whose rounding boundaries amplify last-bit differences; this keeps the kernel
@@ -42,8 +30,8 @@ struct Sm90EpilogueSwiGLU {
     const bool valid0 = r0 < t.rows_valid;
     const bool valid1 = r0 + 8 < t.rows_valid;
     // Padding rows may hold NaN weights; they are never stored, so any value does.
-    const float w0 = valid0 ? ptx::ld_nc_f32(p.row_weight + t.row0 + r0) : 0.0f;
-    const float w1 = valid1 ? ptx::ld_nc_f32(p.row_weight + t.row0 + r0 + 8) : 0.0f;
+    const float w0 = valid0 ? ptx::ld_cg_f32(p.row_weight + t.row0 + r0) : 0.0f;
+    const float w1 = valid1 ? ptx::ld_cg_f32(p.row_weight + t.row0 + r0 + 8) : 0.0f;
     const float c = p.clamp;
 
     float a[64];
@@ -73,7 +61,7 @@ struct Sm90EpilogueSwiGLU {
         amax1 = fmaxf(amax1, __shfl_xor_sync(0xFFFFFFFFu, amax1, m));
       }
       const bool pow2 = p.pow2_scales != 0;
-      const float s[2] = {quant_scale_1x128(amax0, pow2), quant_scale_1x128(amax1, pow2)};
+      const float s[2] = {quant::scale_1x128(amax0, pow2), quant::scale_1x128(amax1, pow2)};
       uint8_t* out = static_cast<uint8_t*>(p.out);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {

@@ -21,9 +21,8 @@
 //   fence.proxy.async.shared::cta before the barrier.
 // - L2's generic o_pool stores -> combine's generic loads: the grid barrier alone.
 // - expert_count / expert_offset / row_weight are written by dispatch and read by the GEMM with
-//   ld.global.nc. That is safe here only because no block reads those lines before the barrier
-//   that orders them (the non-coherent cache starts each launch empty); v1 should switch those
-//   loads to coherent ones if any earlier phase starts reading them.
+//   ld.global.cg (L2, coherent across SMs after the barrier), not the non-coherent path, so the
+//   order stays right when v1 replaces the barrier with per-block counters.
 //
 // Why no printf anywhere: a call in a kernel that issues wgmma serializes all wgmma (C7510),
 // hence EPMOE_COMM_WAIT_NO_PRINTF (timeouts are recorded in a device global, then trap).

@@ -5,15 +5,24 @@
 
 namespace epmoe::ptx {
 
-// Read-only for the kernel's lifetime (weights' scales, row counts written by an earlier kernel).
+// Read-only for the kernel's lifetime and never written by it (the weights' block scales).
 __device__ __forceinline__ float ld_nc_f32(const float* p) {
   float v;
   asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
-__device__ __forceinline__ int ld_nc_s32(const int* p) {
+
+// Cached in L2 only: for data another block of the same kernel may have written before a barrier
+// (the fused kernel's expert counts, offsets and row weights); the non-coherent path above is not
+// guaranteed to see such writes.
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
   int v;
-  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 

@@ -45,7 +45,7 @@ struct GroupedTileScheduler {
     while (next_linear >= expert_first + expert_tiles) {
       expert_first += expert_tiles;
       if (++expert >= num_groups) return false;
-      expert_m_blocks = (ptx::ld_nc_s32(count + expert) + kBlockM - 1) / kBlockM;
+      expert_m_blocks = (ptx::ld_cg_s32(count + expert) + kBlockM - 1) / kBlockM;
       expert_tiles = expert_m_blocks * n_tiles;
     }
     // Raster: tiles walk N fastest within a group of kGroupN N-blocks, then M. Blocks running
@@ -59,8 +59,8 @@ struct GroupedTileScheduler {
     t.expert = expert;
     t.n_block = first_n + within % width;
     t.m_block = within / width;
-    const int cnt = ptx::ld_nc_s32(count + expert);
-    t.row0 = ptx::ld_nc_s32(offset + expert) + t.m_block * kBlockM;
+    const int cnt = ptx::ld_cg_s32(count + expert);
+    t.row0 = ptx::ld_cg_s32(offset + expert) + t.m_block * kBlockM;
     t.rows_valid = min(kBlockM, cnt - t.m_block * kBlockM);
     return true;
   }
