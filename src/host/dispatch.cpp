@@ -339,7 +339,9 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
        << cudaGetErrorString(sync) << "). If this is a sticky error (illegal instruction, unspecified launch "
        << "failure), a device-side wait for a peer may have timed out (timeout_seconds=" << m.cfg.timeout_seconds
        << ") and trapped: look in stderr for an '[epmoe] TIMEOUT' line, which names the rank, block, flag, "
-       << "expected and seen values. The CUDA context is unusable after such an error; restart the process";
+       << "expected and seen values (the pipeline's kernels print it; the fused kernel cannot print and "
+       << "leaves no line, see docs/MEGAKERNEL.md). The CUDA context is unusable after such an error; "
+       << "restart the process";
     return Status(StatusCode::kCudaError, os.str());
   }
   const layout::CommLocalLayout loc{m.shape};
