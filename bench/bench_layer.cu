@@ -16,6 +16,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/launcher.h"
 #include "epmoe/layer.h"
+#include "host/check.h"
 #include "host/layer_impl.h"
 #include "reference/data.h"
 
@@ -42,18 +43,6 @@ __global__ void fill_f32(float* s, int64_t n, uint64_t seed, float base) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     s[i] = base * (1.0f + 0.5f * hash_uniform(seed, i));
 }
-
-#define BENCH_OK(expr)                \
-  do {                                \
-    ::epmoe::Status _st = (expr);     \
-    if (!_st.ok()) return _st;        \
-  } while (0)
-#define BENCH_CUDA(call)                                                                          \
-  do {                                                                                            \
-    cudaError_t _e = (call);                                                                      \
-    if (_e != cudaSuccess)                                                                        \
-      return Status(StatusCode::kCudaError, std::string(#call) + ": " + cudaGetErrorString(_e));   \
-  } while (0)
 
 struct ShapeArgs {
   std::string name;
@@ -116,7 +105,7 @@ Traffic count_traffic(const ref::Problem& p, const std::vector<ref::Routed>& all
 Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   const int R = ctx.size, me = ctx.rank;
   std::unique_ptr<Communicator> comm;
-  BENCH_OK(Communicator::create(ctx.id, me, R, &comm));
+  EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, me, R, &comm));
   int t_max = 1;
   for (int t : o.tokens) t_max = std::max(t_max, t);
 
@@ -129,9 +118,9 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   cfg.max_tokens_per_rank = t_max;
   cfg.dtype = o.dtype;
   std::unique_ptr<MoELayer> layer;
-  BENCH_OK(MoELayer::create(*comm, cfg, &layer));
+  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
   cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   // Weights, generated on the device.
   const int G = o.shape.experts_per_rank, H = cfg.hidden, I = cfg.intermediate;
@@ -140,12 +129,12 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   const int64_t s1 = int64_t(G) * (2 * I / 128) * (H / 128), s2 = int64_t(G) * (H / 128) * (I / 128);
   void *w1 = nullptr, *w2 = nullptr;
   float *ws1 = nullptr, *ws2 = nullptr;
-  BENCH_CUDA(cudaMalloc(&w1, n1 * (fp8 ? 1 : 2)));
-  BENCH_CUDA(cudaMalloc(&w2, n2 * (fp8 ? 1 : 2)));
+  EPMOE_CUDA_RETURN(cudaMalloc(&w1, n1 * (fp8 ? 1 : 2)));
+  EPMOE_CUDA_RETURN(cudaMalloc(&w2, n2 * (fp8 ? 1 : 2)));
   const uint64_t seed = 1234567 + 7919 * me;
   if (fp8) {
-    BENCH_CUDA(cudaMalloc(&ws1, s1 * 4));
-    BENCH_CUDA(cudaMalloc(&ws2, s2 * 4));
+    EPMOE_CUDA_RETURN(cudaMalloc(&ws1, s1 * 4));
+    EPMOE_CUDA_RETURN(cudaMalloc(&ws2, s2 * 4));
     fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w1), n1, seed);
     fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w2), n2, seed + 1);
     fill_f32<<<256, 256, 0, stream>>>(ws1, s1, seed + 2, std::sqrt(3.0f / H) / 448.f);
@@ -154,9 +143,9 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w1), n1, seed, std::sqrt(3.0f / H));
     fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w2), n2, seed + 1, std::sqrt(3.0f / I));
   }
-  BENCH_CUDA(cudaGetLastError());
+  EPMOE_CUDA_RETURN(cudaGetLastError());
   ExpertWeights ew{w1, ws1, w2, ws2, true};
-  BENCH_OK(layer->load_weights(ew, stream));
+  EPMOE_RETURN_IF_ERROR(layer->load_weights(ew, stream));
   cudaFree(w1);
   cudaFree(w2);
   if (ws1) cudaFree(ws1);
@@ -178,20 +167,20 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     std::vector<float*> wts(sets);
     std::vector<Traffic> traffic(sets);
     for (int s = 0; s < sets; ++s) {
-      BENCH_CUDA(cudaMalloc(&xs[s], std::max<int64_t>(1, int64_t(T) * H) * 2));
-      BENCH_CUDA(cudaMalloc(&ys[s], std::max<int64_t>(1, int64_t(T) * H) * 2));
-      BENCH_CUDA(cudaMalloc(&idxs[s], std::max(1, T * cfg.topk) * 4));
-      BENCH_CUDA(cudaMalloc(&wts[s], std::max(1, T * cfg.topk) * 4));
+      EPMOE_CUDA_RETURN(cudaMalloc(&xs[s], std::max<int64_t>(1, int64_t(T) * H) * 2));
+      EPMOE_CUDA_RETURN(cudaMalloc(&ys[s], std::max<int64_t>(1, int64_t(T) * H) * 2));
+      EPMOE_CUDA_RETURN(cudaMalloc(&idxs[s], std::max(1, T * cfg.topk) * 4));
+      EPMOE_CUDA_RETURN(cudaMalloc(&wts[s], std::max(1, T * cfg.topk) * 4));
       fill_bf16<<<256, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(xs[s]), int64_t(T) * H, seed + 100 + s, 1.7f);
       std::vector<ref::Routed> all;
       for (int r = 0; r < R; ++r) all.push_back(ref::make_routing(p, o.routing, r, T, ref::mix_seed(99, T, s)));
       if (T > 0) {
-        BENCH_CUDA(cudaMemcpy(idxs[s], all[me].topk_idx.data(), all[me].topk_idx.size() * 4, cudaMemcpyHostToDevice));
-        BENCH_CUDA(cudaMemcpy(wts[s], all[me].topk_w.data(), all[me].topk_w.size() * 4, cudaMemcpyHostToDevice));
+        EPMOE_CUDA_RETURN(cudaMemcpy(idxs[s], all[me].topk_idx.data(), all[me].topk_idx.size() * 4, cudaMemcpyHostToDevice));
+        EPMOE_CUDA_RETURN(cudaMemcpy(wts[s], all[me].topk_w.data(), all[me].topk_w.size() * 4, cudaMemcpyHostToDevice));
       }
       traffic[s] = count_traffic(p, all, T_all, me);
     }
-    BENCH_CUDA(cudaStreamSynchronize(stream));
+    EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
     Traffic avg;
     for (auto& t : traffic) {
       avg.rows += t.rows; avg.active_experts += t.active_experts;
@@ -216,43 +205,43 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         path_median.push_back(0);
         continue;
       }
-      BENCH_OK(probe);
+      EPMOE_RETURN_IF_ERROR(probe);
       std::vector<cudaGraphExec_t> graphs(sets, nullptr);
       if (o.graph) {
         for (int s = 0; s < sets; ++s) {
           cudaGraph_t g;
-          BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          EPMOE_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
           Status st = layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, path);
           cudaError_t e = cudaStreamEndCapture(stream, &g);
-          BENCH_OK(st);
-          BENCH_CUDA(e);
-          BENCH_CUDA(cudaGraphInstantiate(&graphs[s], g, 0));
+          EPMOE_RETURN_IF_ERROR(st);
+          EPMOE_CUDA_RETURN(e);
+          EPMOE_CUDA_RETURN(cudaGraphInstantiate(&graphs[s], g, 0));
           cudaGraphDestroy(g);
         }
       }
       auto launch = [&](int it) -> Status {
         const int s = it % sets;
         if (o.graph) {
-          BENCH_CUDA(cudaGraphLaunch(graphs[s], stream));
+          EPMOE_CUDA_RETURN(cudaGraphLaunch(graphs[s], stream));
           return Status::Ok();
         }
         return layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, path);
       };
-      for (int it = 0; it < o.warmup; ++it) BENCH_OK(launch(it));
+      for (int it = 0; it < o.warmup; ++it) EPMOE_RETURN_IF_ERROR(launch(it));
       std::vector<cudaEvent_t> ev(2 * o.iters);
-      for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
-      BENCH_OK(comm->barrier(stream));
+      for (auto& e : ev) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
+      EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
       for (int it = 0; it < o.iters; ++it) {
-        BENCH_CUDA(cudaEventRecord(ev[2 * it], stream));
-        BENCH_OK(launch(it));
-        BENCH_CUDA(cudaEventRecord(ev[2 * it + 1], stream));
+        EPMOE_CUDA_RETURN(cudaEventRecord(ev[2 * it], stream));
+        EPMOE_RETURN_IF_ERROR(launch(it));
+        EPMOE_CUDA_RETURN(cudaEventRecord(ev[2 * it + 1], stream));
       }
-      BENCH_CUDA(cudaStreamSynchronize(stream));
-      BENCH_OK(layer->check_device_error(stream));
+      EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+      EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
       std::vector<double> us(o.iters);
       for (int it = 0; it < o.iters; ++it) {
         float ms = 0;
-        BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * it], ev[2 * it + 1]));
+        EPMOE_CUDA_RETURN(cudaEventElapsedTime(&ms, ev[2 * it], ev[2 * it + 1]));
         us[it] = ms * 1e3;
       }
       for (auto& e : ev) cudaEventDestroy(e);
@@ -267,9 +256,9 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         std::vector<std::vector<double>> per(4);
         in->set_stage_timing(true);
         for (int it = 0; it < std::min(o.iters, 20); ++it) {
-          BENCH_OK(layer->forward(xs[it % sets], idxs[it % sets], wts[it % sets], ys[it % sets], T, stream, path));
+          EPMOE_RETURN_IF_ERROR(layer->forward(xs[it % sets], idxs[it % sets], wts[it % sets], ys[it % sets], T, stream, path));
           float ms[4];
-          BENCH_OK(in->stage_times_ms(ms));
+          EPMOE_RETURN_IF_ERROR(in->stage_times_ms(ms));
           for (int k = 0; k < 4; ++k) per[k].push_back(ms[k] * 1e3);
         }
         in->set_stage_timing(false);
@@ -306,13 +295,13 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
 
   // Print in rank order.
   for (int r = 0; r < R; ++r) {
-    BENCH_OK(comm->barrier(stream));
+    EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
     if (r == me) {
       std::fputs(out.str().c_str(), stdout);
       std::fflush(stdout);
     }
   }
-  BENCH_OK(comm->barrier(stream));
+  EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
   (void)report;
   return Status::Ok();
 }

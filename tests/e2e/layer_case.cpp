@@ -10,6 +10,7 @@
 
 #include "epmoe/comm.h"
 #include "epmoe/layer.h"
+#include "host/check.h"
 #include "reference/compare.h"
 #include "reference/numeric.h"
 #include "reference/reference.h"
@@ -19,19 +20,6 @@ namespace epmoe::e2e {
 namespace {
 
 Status fail(const std::string& s) { return Status(StatusCode::kInternal, s); }
-
-#define E2E_OK(expr)                  \
-  do {                                \
-    ::epmoe::Status _st = (expr);     \
-    if (!_st.ok()) return _st;        \
-  } while (0)
-#define E2E_CUDA(call)                                                                          \
-  do {                                                                                          \
-    cudaError_t _e = (call);                                                                    \
-    if (_e != cudaSuccess)                                                                      \
-      return Status(StatusCode::kCudaError, std::string(#call) + ": " + cudaGetErrorString(_e) + \
-                                                " at " + __FILE__ + ":" + std::to_string(__LINE__)); \
-  } while (0)
 
 template <class T>
 struct DevArray {
@@ -95,23 +83,23 @@ struct RankBuffers {
   DevArray<int32_t> idx;
   DevArray<float> w;
   Status alloc(const ref::Problem& p) {
-    E2E_CUDA(x.alloc(size_t(p.T_max) * p.H));
-    E2E_CUDA(y.alloc(size_t(p.T_max) * p.H));
-    E2E_CUDA(idx.alloc(size_t(p.T_max) * p.K));
-    E2E_CUDA(w.alloc(size_t(p.T_max) * p.K));
+    EPMOE_CUDA_RETURN(x.alloc(size_t(p.T_max) * p.H));
+    EPMOE_CUDA_RETURN(y.alloc(size_t(p.T_max) * p.H));
+    EPMOE_CUDA_RETURN(idx.alloc(size_t(p.T_max) * p.K));
+    EPMOE_CUDA_RETURN(w.alloc(size_t(p.T_max) * p.K));
     return Status::Ok();
   }
   Status upload(const ref::RankInput& in, const ref::Problem& p) {
     if (in.T == 0) return Status::Ok();
-    E2E_CUDA(cudaMemcpy(x.p, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
-    E2E_CUDA(cudaMemcpy(idx.p, in.topk_idx.data(), in.topk_idx.size() * 4, cudaMemcpyHostToDevice));
-    E2E_CUDA(cudaMemcpy(w.p, in.topk_w.data(), in.topk_w.size() * 4, cudaMemcpyHostToDevice));
+    EPMOE_CUDA_RETURN(cudaMemcpy(x.p, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
+    EPMOE_CUDA_RETURN(cudaMemcpy(idx.p, in.topk_idx.data(), in.topk_idx.size() * 4, cudaMemcpyHostToDevice));
+    EPMOE_CUDA_RETURN(cudaMemcpy(w.p, in.topk_w.data(), in.topk_w.size() * 4, cudaMemcpyHostToDevice));
     (void)p;
     return Status::Ok();
   }
   // NaN everywhere (0xFFFF is a bf16 NaN), so an element the layer fails to write cannot pass.
   Status poison(const ref::Problem& p, cudaStream_t s) {
-    E2E_CUDA(cudaMemsetAsync(y.p, 0xFF, size_t(p.T_max) * p.H * 2, s));
+    EPMOE_CUDA_RETURN(cudaMemsetAsync(y.p, 0xFF, size_t(p.T_max) * p.H * 2, s));
     return Status::Ok();
   }
 };
@@ -159,10 +147,10 @@ Status check_paths_agree(const ref::Problem& p, const LayerCase& c, int rank, Mo
   const Path order[2] = {Path::kPipeline, Path::kFused};
   const char* what[2] = {"pipeline", "second fused call"};
   for (int i = 0; i < 2; ++i) {
-    E2E_OK(buf.poison(p, stream));
-    E2E_OK(layer.forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, T, stream, order[i]));
-    E2E_OK(layer.check_device_error(stream));
-    E2E_CUDA(cudaMemcpy(other.data(), buf.y.p, other.size() * 2, cudaMemcpyDeviceToHost));
+    EPMOE_RETURN_IF_ERROR(buf.poison(p, stream));
+    EPMOE_RETURN_IF_ERROR(layer.forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, T, stream, order[i]));
+    EPMOE_RETURN_IF_ERROR(layer.check_device_error(stream));
+    EPMOE_CUDA_RETURN(cudaMemcpy(other.data(), buf.y.p, other.size() * 2, cudaMemcpyDeviceToHost));
     size_t diff = 0, first = n;
     for (size_t j = 0; j < n; ++j)
       if (other[j] != y_fused[j]) {
@@ -203,18 +191,18 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
   const ref::Problem p = make_problem(c, R);
 
   std::unique_ptr<Communicator> comm;
-  E2E_OK(Communicator::create(ctx.id, rank, R, &comm));
+  EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, rank, R, &comm));
   std::unique_ptr<MoELayer> layer;
-  E2E_OK(MoELayer::create(*comm, make_config(p), &layer));
+  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, make_config(p), &layer));
   cudaStream_t stream;
-  E2E_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   // Every rank builds every rank's weights: the reference needs them all.
   const std::vector<ref::RankWeights> weights = ref::make_problem_weights(p, ref::mix_seed(seed, 1));
-  E2E_OK(layer->load_weights(host_weights(p, weights[rank]), stream));
+  EPMOE_RETURN_IF_ERROR(layer->load_weights(host_weights(p, weights[rank]), stream));
 
   RankBuffers buf;
-  E2E_OK(buf.alloc(p));
+  EPMOE_RETURN_IF_ERROR(buf.alloc(p));
   std::vector<uint16_t> y(size_t(p.T_max) * p.H);
 
   cudaGraphExec_t graph_exec = nullptr;
@@ -227,31 +215,31 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
         for (int t = 0; t < in.T; t += 3)
           if (in.topk_idx[int64_t(t) * p.K] >= 0) in.topk_idx[int64_t(t) * p.K + 1] = in.topk_idx[int64_t(t) * p.K];
     }
-    E2E_OK(buf.upload(inputs[rank], p));
-    E2E_OK(buf.poison(p, stream));
+    EPMOE_RETURN_IF_ERROR(buf.upload(inputs[rank], p));
+    EPMOE_RETURN_IF_ERROR(buf.poison(p, stream));
     if (c.graph) {
       if (!graph_exec) {
         cudaGraph_t graph;
-        E2E_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        EPMOE_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
         Status st = layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path);
         cudaError_t end = cudaStreamEndCapture(stream, &graph);
-        E2E_OK(st);
-        E2E_CUDA(end);
-        E2E_CUDA(cudaGraphInstantiate(&graph_exec, graph, 0));
-        E2E_CUDA(cudaGraphDestroy(graph));
+        EPMOE_RETURN_IF_ERROR(st);
+        EPMOE_CUDA_RETURN(end);
+        EPMOE_CUDA_RETURN(cudaGraphInstantiate(&graph_exec, graph, 0));
+        EPMOE_CUDA_RETURN(cudaGraphDestroy(graph));
       }
-      E2E_CUDA(cudaGraphLaunch(graph_exec, stream));
+      EPMOE_CUDA_RETURN(cudaGraphLaunch(graph_exec, stream));
     } else {
-      E2E_OK(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path));
+      EPMOE_RETURN_IF_ERROR(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path));
     }
     const bool check = call == c.calls - 1 || call % c.check_every == 0;
     if (!check) continue;
-    E2E_OK(layer->check_device_error(stream));
-    E2E_CUDA(cudaMemcpy(y.data(), buf.y.p, y.size() * 2, cudaMemcpyDeviceToHost));
-    E2E_OK(check_output(p, c, rank, y, inputs, weights, call_seed, call));
-    if (c.path == Path::kFused && c.cross_check_paths) E2E_OK(check_paths_agree(p, c, rank, *layer, buf, y, stream, call));
+    EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
+    EPMOE_CUDA_RETURN(cudaMemcpy(y.data(), buf.y.p, y.size() * 2, cudaMemcpyDeviceToHost));
+    EPMOE_RETURN_IF_ERROR(check_output(p, c, rank, y, inputs, weights, call_seed, call));
+    if (c.path == Path::kFused && c.cross_check_paths) EPMOE_RETURN_IF_ERROR(check_paths_agree(p, c, rank, *layer, buf, y, stream, call));
   }
-  E2E_OK(layer->check_device_error(stream));
+  EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
   if (graph_exec) cudaGraphExecDestroy(graph_exec);
   cudaStreamDestroy(stream);
   return Status::Ok();
@@ -264,7 +252,7 @@ Status run_bad_input_case(const RankContext& ctx, uint64_t seed) {
   c.tokens.assign(R, 16);
   const ref::Problem p = make_problem(c, R);
   std::unique_ptr<Communicator> comm;
-  E2E_OK(Communicator::create(ctx.id, rank, R, &comm));
+  EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, rank, R, &comm));
 
   // Configuration errors come back before anything is allocated.
   std::unique_ptr<MoELayer> layer;
@@ -280,24 +268,24 @@ Status run_bad_input_case(const RankContext& ctx, uint64_t seed) {
   if (st.ok() || st.message().find("communicator size") == std::string::npos)
     return fail("create with num_ranks != comm size: got " + st.to_string());
 
-  E2E_OK(MoELayer::create(*comm, make_config(p), &layer));
+  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, make_config(p), &layer));
   cudaStream_t stream;
-  E2E_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const auto weights = ref::make_problem_weights(p, ref::mix_seed(seed, 1));
   RankBuffers buf;
-  E2E_OK(buf.alloc(p));
+  EPMOE_RETURN_IF_ERROR(buf.alloc(p));
 
   // forward before load_weights is refused.
   st = layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, 1, stream, Path::kPipeline);
   if (st.ok() || st.message().find("load_weights") == std::string::npos)
     return fail("forward before load_weights: got " + st.to_string());
-  E2E_OK(layer->load_weights(host_weights(p, weights[rank]), stream));
+  EPMOE_RETURN_IF_ERROR(layer->load_weights(host_weights(p, weights[rank]), stream));
 
   // Host-side rejections leave y untouched.
   const auto inputs = ref::make_problem_inputs(p, ref::Routing::kUniform, c.tokens, ref::mix_seed(seed, 3));
-  E2E_OK(buf.upload(inputs[rank], p));
-  E2E_OK(buf.poison(p, stream));
-  E2E_CUDA(cudaStreamSynchronize(stream));
+  EPMOE_RETURN_IF_ERROR(buf.upload(inputs[rank], p));
+  EPMOE_RETURN_IF_ERROR(buf.poison(p, stream));
+  EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
   st = layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, p.T_max + 1, stream, Path::kPipeline);
   if (st.code() != StatusCode::kInvalidArgument || st.message().find("num_tokens=") == std::string::npos)
     return fail("forward with T > T_max: got " + st.to_string());
@@ -305,23 +293,23 @@ Status run_bad_input_case(const RankContext& ctx, uint64_t seed) {
   if (st.code() != StatusCode::kInvalidArgument || st.message().find("x is null") == std::string::npos)
     return fail("forward with x = null: got " + st.to_string());
   std::vector<uint16_t> y(size_t(p.T_max) * p.H);
-  E2E_CUDA(cudaMemcpy(y.data(), buf.y.p, y.size() * 2, cudaMemcpyDeviceToHost));
+  EPMOE_CUDA_RETURN(cudaMemcpy(y.data(), buf.y.p, y.size() * 2, cudaMemcpyDeviceToHost));
   for (uint16_t v : y)
     if (v != 0xFFFF) return fail("a rejected forward call wrote y");
 
   // An expert index out of range, found on the device, is reported by the next check.
   std::vector<int32_t> idx = inputs[rank].topk_idx;
   idx[0] = p.E;  // token 0, slot 0
-  E2E_CUDA(cudaMemcpy(buf.idx.p, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
-  E2E_OK(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, Path::kPipeline));
+  EPMOE_CUDA_RETURN(cudaMemcpy(buf.idx.p, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  EPMOE_RETURN_IF_ERROR(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, Path::kPipeline));
   st = layer->check_device_error(stream);
   if (st.ok()) return fail("an expert index of E went unreported by check_device_error");
   std::printf("[e2e] rank %d: bad index reported as: %s\n", rank, st.to_string().c_str());
 
   // The error is cleared and the next good call passes.
-  E2E_OK(buf.upload(inputs[rank], p));
-  E2E_OK(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, Path::kPipeline));
-  E2E_OK(layer->check_device_error(stream));
+  EPMOE_RETURN_IF_ERROR(buf.upload(inputs[rank], p));
+  EPMOE_RETURN_IF_ERROR(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, Path::kPipeline));
+  EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
   cudaStreamDestroy(stream);
   return Status::Ok();
 }
