@@ -139,6 +139,7 @@ struct DispatchHandle::Impl {
   char* pool = nullptr;
   bool owns_pool = false;
   int num_blocks = 0;
+  int env_blocks = 0;  // EPMOE_COMM_BLOCKS, read once at create (not on every call)
   int64_t last_tokens = -1;
 
   ~Impl() {
@@ -162,10 +163,7 @@ struct DispatchHandle::Impl {
   // system-scope fence; a small call has too little work to hide that. Any size is correct.
   int blocks_for(int64_t tokens) const {
     if (cfg.num_blocks > 0) return num_blocks;
-    if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) {
-      const int n = std::atoi(env);
-      if (n > 0) return n < num_blocks ? n : num_blocks;
-    }
+    if (env_blocks > 0) return env_blocks < num_blocks ? env_blocks : num_blocks;
     // About one warp per (token, rank, 1024-channel slice): the kernels' unit of work.
     const int64_t slices = (shape.hidden + 1023) / 1024;
     const int64_t want = (tokens * shape.num_ranks * slices + comm::kCommThreads / 32 - 1) / (comm::kCommThreads / 32);
@@ -218,6 +216,7 @@ Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std
   int max_blocks = 0;
   EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
   m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < max_blocks ? cfg.num_blocks : max_blocks;
+  if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) m->env_blocks = std::atoi(env);
 
   const layout::CommSymLayout sym{m->shape};
   const layout::CommLocalLayout loc{m->shape};
