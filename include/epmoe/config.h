@@ -30,9 +30,10 @@ struct LayerConfig {
   DType dtype = DType::kFP8;
   float activation_clamp = 0.f;  ///< c; <= 0 disables the clamp. Must be finite.
   bool pow2_scales = false;      ///< Round FP8 activation scales up to a power of two.
-  /// Bound of every device-side wait for a peer, in seconds, (0, 3600]. A wait that expires prints
-  /// who waited on what and traps: the CUDA context is lost, so this is a last resort against
-  /// hangs, and it must exceed the longest time one rank's host may lag behind the others.
+  /// Bound of every device-side wait for a peer, in seconds, (0, 3600]. A wait that expires records
+  /// who waited on what (MoELayer::check_device_error returns it as kTimeout) and traps: the CUDA
+  /// context is lost, so this is a last resort against hangs, and it must exceed the longest time
+  /// one rank's host may lag behind the others.
   double timeout_seconds = 10.0;
 
   int experts_per_rank() const { return num_ranks > 0 ? num_experts / num_ranks : 0; }

@@ -36,7 +36,8 @@ struct DispatchConfig {
   int num_blocks = 0;           ///< Blocks of the persistent comm kernels; 0 = automatic (fewer for
                                 ///< small calls, at most one per SM).
   double timeout_seconds = 10.0;  ///< Bound of every device-side wait for a peer. On expiry the kernel
-                                  ///< prints a diagnostic and traps: fatal to the CUDA context.
+                                  ///< records a diagnostic in host memory (check_errors returns it)
+                                  ///< and traps: fatal to the CUDA context.
 };
 
 /// Device pointers into the expert-major pool that dispatch fills and combine reads
@@ -92,8 +93,11 @@ class DispatchHandle {
   Status combine(void* y, int64_t num_tokens, cudaStream_t stream);
 
   /// Synchronizes `stream` and reports (then clears) the errors the kernels recorded. A device-side
-  /// wait that timed out has trapped; that shows up here as the sync's CUDA error (kCudaError), with
-  /// a pointer to the "[epmoe] TIMEOUT" line the kernel printed.
+  /// wait that timed out has trapped (the CUDA context is lost); that shows up here as kTimeout with
+  /// the kernel's record in the message ("[epmoe] TIMEOUT rank R block B thread T: flag NAME[i]
+  /// expected >= E, seen S after W ms"), also printed to stderr. Another sticky CUDA error: kCudaError.
+  /// Debug only: EPMOE_DEBUG_NEVER_ARRIVE=<rank> at create makes that rank launch nothing, so the
+  /// peers time out (docs/COMM.md).
   Status check_errors(cudaStream_t stream);
 
  private:

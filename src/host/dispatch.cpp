@@ -3,15 +3,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "device/comm/dispatch_params.h"
 #include "device/comm/status_bits.h"
+#include "device/comm/timeout_record.h"
 #include "device/layout/comm_layout.h"
 #include "device/layout/expert_pool.h"
 #include "host/check.h"
@@ -49,11 +53,68 @@ std::string config_field_value(int field, int64_t v) {
   }
 }
 
+// EPMOE_DEBUG_NEVER_ARRIVE=<rank>: that rank's handle never launches its kernels (docs/COMM.md).
+// Read once at create. A malformed value is ignored with a warning rather than failing create on
+// one rank only, which would leave the peers blocked in the collective steps of create.
+bool read_never_arrive(int rank) {
+  const char* env = std::getenv("EPMOE_DEBUG_NEVER_ARRIVE");
+  if (!env || !*env) return false;
+  errno = 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (errno != 0 || end == env || *end != '\0') {
+    std::fprintf(stderr, "[epmoe] rank %d: ignoring EPMOE_DEBUG_NEVER_ARRIVE='%s' (not a rank number)\n", rank, env);
+    return false;
+  }
+  if (v != rank) return false;
+  std::fprintf(stderr,
+               "[epmoe] rank %d: EPMOE_DEBUG_NEVER_ARRIVE=%ld: this rank launches no dispatch/combine/fused kernel; "
+               "its peers will time out (debug only)\n",
+               rank, v);
+  return true;
+}
+
+}  // namespace
+
+namespace detail {
+
+Status all_gather_words(Communicator& comm, const int64_t* mine, int n, std::vector<int64_t>* all) {
+  const int R = comm.size();
+  all->assign(size_t(R) * n, 0);
+  cudaStream_t stream = nullptr;
+  int64_t* d = nullptr;
+  Status st = detail::cuda_status(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate",
+                                  __FILE__, __LINE__);
+  if (st.ok())
+    st = detail::cuda_status(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(int64_t) * n * (R + 1)), "cudaMalloc",
+                             __FILE__, __LINE__);
+  if (st.ok())
+    st = detail::cuda_status(cudaMemcpyAsync(d, mine, sizeof(int64_t) * n, cudaMemcpyHostToDevice, stream),
+                             "cudaMemcpyAsync(mine)", __FILE__, __LINE__);
+  if (st.ok())
+    st = detail::nccl_status(ncclAllGather(d, d + n, n, ncclInt64, comm.nccl(), stream), "ncclAllGather", __FILE__,
+                             __LINE__);
+  if (st.ok())
+    st = detail::cuda_status(cudaMemcpyAsync(all->data(), d + n, sizeof(int64_t) * all->size(),
+                                             cudaMemcpyDeviceToHost, stream),
+                             "cudaMemcpyAsync(all)", __FILE__, __LINE__);
+  if (st.ok()) st = detail::cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+  if (d) cudaFree(d);
+  if (stream) cudaStreamDestroy(stream);
+  return st;
+}
+
 std::string rank_list(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
   return out;
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::rank_list;
 
 // Collective (host sync is fine at create). Why before any local check that can fail: a rank that
 // returned early would leave the others blocked in this all-gather or in alloc_symmetric.
@@ -70,27 +131,8 @@ Status check_config_across_ranks(Communicator& comm, const DispatchConfig& c, co
                            int64_t(c.combine_partials),
                            external_pool && misaligned(external_pool, layout::kRegionAlign) ? 1 : 0};
   const int R = comm.size();
-  std::vector<int64_t> all(size_t(R) * n);
-  cudaStream_t stream = nullptr;
-  int64_t* d = nullptr;
-  Status st = detail::cuda_status(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate",
-                                  __FILE__, __LINE__);
-  if (st.ok())
-    st = detail::cuda_status(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(int64_t) * n * (R + 1)), "cudaMalloc",
-                             __FILE__, __LINE__);
-  if (st.ok())
-    st = detail::cuda_status(cudaMemcpyAsync(d, mine, sizeof(mine), cudaMemcpyHostToDevice, stream),
-                             "cudaMemcpyAsync(config)", __FILE__, __LINE__);
-  if (st.ok())
-    st = detail::nccl_status(ncclAllGather(d, d + n, n, ncclInt64, comm.nccl(), stream), "ncclAllGather(config)",
-                             __FILE__, __LINE__);
-  if (st.ok())
-    st = detail::cuda_status(cudaMemcpyAsync(all.data(), d + n, sizeof(int64_t) * all.size(), cudaMemcpyDeviceToHost,
-                                             stream),
-                             "cudaMemcpyAsync(configs)", __FILE__, __LINE__);
-  if (st.ok()) st = detail::cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
-  if (d) cudaFree(d);
-  if (stream) cudaStreamDestroy(stream);
+  std::vector<int64_t> all;
+  const Status st = detail::all_gather_words(comm, mine, n, &all);
   if (!st.ok()) return Status(st.code(), "DispatchHandle::create: exchanging the config across ranks: " + st.message());
 
   std::ostringstream os;
@@ -140,7 +182,13 @@ struct DispatchHandle::Impl {
   bool owns_pool = false;
   int num_blocks = 0;
   int env_blocks = 0;  // EPMOE_COMM_BLOCKS, read once at create (not on every call)
+  bool never_arrive = false;  // EPMOE_DEBUG_NEVER_ARRIVE names this rank, read once at create
   int64_t last_tokens = -1;
+  // Where a device-side wait that expires reports (mapped pinned host memory: readable after the
+  // trap has killed the context). Host view and the device address the kernels get.
+  comm::CommTimeoutRecord* timeout_record = nullptr;
+  comm::CommTimeoutRecord* timeout_record_dev = nullptr;
+  bool timeout_printed = false;  // check_errors printed the record once already
 
   ~Impl() {
     // Collective, like alloc_symmetric: every rank destroys its handle. Why log: a destructor cannot
@@ -152,6 +200,7 @@ struct DispatchHandle::Impl {
     }
     if (local_ws) cudaFree(local_ws);
     if (owns_pool && pool) cudaFree(pool);
+    if (timeout_record) cudaFreeHost(timeout_record);
   }
   comm::PeerPtrs peers() const {
     comm::PeerPtrs p{};
@@ -217,11 +266,20 @@ Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std
   EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
   m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < max_blocks ? cfg.num_blocks : max_blocks;
   if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) m->env_blocks = std::atoi(env);
+  m->never_arrive = read_never_arrive(comm.rank());
 
   const layout::CommSymLayout sym{m->shape};
   const layout::CommLocalLayout loc{m->shape};
   EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->local_ws), size_t(loc.num_bytes())));
   EPMOE_CUDA_RETURN(cudaMemset(m->local_ws, 0, size_t(loc.num_bytes())));
+  // The timeout record: one per handle, zeroed, its device address in the params and in the
+  // workspace slot that WaitSites built from the status word alone read (comm/wait.h).
+  EPMOE_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&m->timeout_record), sizeof(comm::CommTimeoutRecord),
+                                  cudaHostAllocMapped));
+  std::memset(static_cast<void*>(m->timeout_record), 0, sizeof(comm::CommTimeoutRecord));
+  EPMOE_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&m->timeout_record_dev), m->timeout_record, 0));
+  EPMOE_CUDA_RETURN(cudaMemcpy(m->local_ws + loc.timeout_record_offset(), &m->timeout_record_dev,
+                               sizeof(m->timeout_record_dev), cudaMemcpyHostToDevice));
   if (external_pool) {
     m->pool = static_cast<char*>(external_pool);
   } else {
@@ -271,6 +329,10 @@ Status DispatchHandle::dispatch(const void* x, const int32_t* topk_idx, const fl
   if (misaligned(topk_idx, 4)) return detail::invalid("dispatch: topk_idx=", topk_idx, " must be 4-byte aligned");
   if (misaligned(topk_weights, 4))
     return detail::invalid("dispatch: topk_weights=", topk_weights, " must be 4-byte aligned");
+  if (m.never_arrive) {  // debug injection: the peers' waits for this rank expire
+    m.last_tokens = num_tokens;
+    return Status::Ok();
+  }
   const comm::DispatchParams p = detail::DispatchAccess::dispatch_params(*this, x, topk_idx, topk_weights, num_tokens);
   EPMOE_CUDA_RETURN(comm::launch_dispatch(p, m.blocks_for(num_tokens), stream));
   m.last_tokens = num_tokens;
@@ -285,6 +347,7 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
   if (num_tokens != m.last_tokens)
     return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
   if (num_tokens > 0 && !y) return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
+  if (m.never_arrive) return Status::Ok();
   const comm::CombineParams p = detail::DispatchAccess::combine_params(*this, y);
   EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens), stream));
   return Status::Ok();
@@ -308,6 +371,7 @@ comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, co
   p.local_ws = m.local_ws;
   p.pow2_scales = m.cfg.pow2_scales;
   p.timeout_ns = m.timeout_ns();
+  p.timeout_record = m.timeout_record_dev;
   return p;
 }
 
@@ -322,8 +386,13 @@ comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void
   p.sym = m.peers();
   p.local_ws = m.local_ws;
   p.timeout_ns = m.timeout_ns();
+  p.timeout_record = m.timeout_record_dev;
   return p;
 }
+
+bool DispatchAccess::never_arrive(const DispatchHandle& h) { return h.impl_->never_arrive; }
+
+void DispatchAccess::set_last_tokens(DispatchHandle& h, int64_t num_tokens) { h.impl_->last_tokens = num_tokens; }
 
 }  // namespace detail
 
@@ -331,16 +400,33 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
   Impl& m = *impl_;
   const cudaError_t sync = cudaStreamSynchronize(stream);
   if (sync != cudaSuccess) {
-    // Why this wording: a bounded wait that expires prints a diagnostic and traps, which kills the
-    // context; the status word can no longer be read, so the sync error is all the host gets.
     std::ostringstream os;
-    os << "rank " << m.comm->rank() << ": cudaStreamSynchronize failed: " << cudaGetErrorName(sync) << " ("
-       << cudaGetErrorString(sync) << "). If this is a sticky error (illegal instruction, unspecified launch "
-       << "failure), a device-side wait for a peer may have timed out (timeout_seconds=" << m.cfg.timeout_seconds
-       << ") and trapped: look in stderr for an '[epmoe] TIMEOUT' line, which names the rank, block, flag, "
-       << "expected and seen values (the pipeline's kernels print it; the fused kernel cannot print and "
-       << "leaves no line, see docs/MEGAKERNEL.md). The CUDA context is unusable after such an error; "
-       << "restart the process";
+    os << "rank " << m.comm->rank() << ": ";
+    // Why read the record now: a bounded wait that expires writes it (host memory) and traps, which
+    // kills the context; the status word can no longer be read, the record still can.
+    const volatile comm::CommTimeoutRecord* vr = m.timeout_record;
+    if (vr && vr->valid) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      comm::CommTimeoutRecord r;
+      std::memcpy(&r, const_cast<const comm::CommTimeoutRecord*>(m.timeout_record), sizeof(r));
+      char line[256];
+      comm::format_timeout_record(r, line, sizeof(line));
+      // Why print here as well: the fused kernel cannot printf, so this is the line's only copy in
+      // the log unless the caller prints the Status.
+      if (!r.printed && !m.timeout_printed) std::fprintf(stderr, "%s\n", line);
+      m.timeout_printed = true;
+      os << "a device-side wait for a peer timed out and trapped: " << line
+         << ". Likely a peer rank stalled, died, skipped the call (EPMOE_DEBUG_NEVER_ARRIVE) or issued "
+         << "dispatch/combine/forward calls in a different order. cudaStreamSynchronize failed: "
+         << cudaGetErrorName(sync) << " (" << cudaGetErrorString(sync)
+         << "). The CUDA context is unusable after this; restart the process";
+      return Status(StatusCode::kTimeout, os.str());
+    }
+    os << "cudaStreamSynchronize failed: " << cudaGetErrorName(sync) << " (" << cudaGetErrorString(sync)
+       << "). No wait of this handle's kernels recorded a timeout (timeout_seconds=" << m.cfg.timeout_seconds
+       << "), so this is another device fault, or a timeout in a kernel of another handle or layer "
+       << "(its check_errors / check_device_error names it). The CUDA context is unusable after such an "
+       << "error; restart the process";
     return Status(StatusCode::kCudaError, os.str());
   }
   const layout::CommLocalLayout loc{m.shape};

@@ -4,9 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "device/comm/dispatch_params.h"
+#include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
+#include "epmoe/status.h"
 
 namespace epmoe::detail {
 
@@ -15,6 +19,18 @@ struct DispatchAccess {
   static comm::DispatchParams dispatch_params(const DispatchHandle& h, const void* x, const int32_t* topk_idx,
                                               const float* topk_weights, int64_t num_tokens);
   static comm::CombineParams combine_params(const DispatchHandle& h, void* y);
+  // EPMOE_DEBUG_NEVER_ARRIVE names this rank: launch nothing (the fused path must honour it too).
+  static bool never_arrive(const DispatchHandle& h);
+  // The token count that a later combine() is checked against. The fused path dispatches without
+  // dispatch(), so it records its own call here (-1: no dispatch this combine could pair with).
+  static void set_last_tokens(DispatchHandle& h, int64_t num_tokens);
 };
+
+// Collective over `comm` (every rank, same n, same order as other collective calls): gathers each
+// rank's n words into all[rank * n + i]. Synchronizes the host. Used for create-time agreement.
+Status all_gather_words(Communicator& comm, const int64_t* mine, int n, std::vector<int64_t>* all);
+
+// "rank 3" or "ranks 0, 2" for messages.
+std::string rank_list(const std::vector<int>& ranks);
 
 }  // namespace epmoe::detail

@@ -5,8 +5,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
@@ -71,15 +73,15 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // expert counts/offsets are device arrays the kernels read at run time.
     const ExpertPoolView pool = dispatch_->pool();
     const gemm::GroupedArgs args{g, pool.expert_count, pool.expert_offset, pool.max_rows, pool.scale_stride};
-    EPMOE_RETURN_IF_ERROR(gemm::plan_l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_.ptr,
-                                        static_cast<const float*>(w1_scale_.ptr), pool.row_weight, h, i,
-                                        cfg_.activation_clamp, cfg_.pow2_scales, pool.a_pool, pool.a_scale,
-                                        &plan_l1_));
-    EPMOE_RETURN_IF_ERROR(gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
-                                        static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_));
+    Status planned = gemm::plan_l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_.ptr,
+                                   static_cast<const float*>(w1_scale_.ptr), pool.row_weight, h, i,
+                                   cfg_.activation_clamp, cfg_.pow2_scales, pool.a_pool, pool.a_scale, &plan_l1_);
+    if (planned.ok())
+      planned = gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
+                              static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_);
     // Why not fail create: the pipeline works without the megakernel; forward(kFused) reports this.
-    fused_status_ = configure_fused();
-    return Status::Ok();
+    fused_status_ = planned.ok() ? configure_fused() : Status::Ok();
+    return agree_across_ranks(planned);
   }
 
   ~PipelineLayer() override {
@@ -142,7 +144,18 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                      comm_.device(), "; call cudaSetDevice(", comm_.device(), ") before forward");
 
     timing_error_ = Status::Ok();
-    if (timing_) EPMOE_CUDA_RETURN(cudaEventRecord(stage_events_[0], stream));
+    if (timing_) {
+      const Status st = detail::cuda_status(cudaEventRecord(stage_events_[0], stream), "cudaEventRecord",
+                                            __FILE__, __LINE__);
+      if (!st.ok()) return timing_failed(st);
+    }
+    if (detail::DispatchAccess::never_arrive(*dispatch_)) {
+      // Debug injection (EPMOE_DEBUG_NEVER_ARRIVE): this rank launches nothing, so its peers' bounded
+      // waits expire and report. Returns Ok, as a rank that silently fell behind would.
+      detail::DispatchAccess::set_last_tokens(*dispatch_, num_tokens);
+      for (int i = 1; i <= 4; ++i) record(i, stream);
+      return Status::Ok();
+    }
     if (path == Path::kFused) {
       // One launch; if it fails nothing ran here, and the peers' calls time out as they would if
       // this rank had not called forward at all.
@@ -157,12 +170,21 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                                                  fused_grid_, stream)
               : fused::launch_sm90_fused_moe_bf16(plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a, plan_l2_.map_b,
                                                   fp, fused_grid_, stream);
-      EPMOE_RETURN_IF_ERROR(detail::cuda_status(e, "cudaLaunchKernelEx(sm90_fused_moe)", __FILE__, __LINE__));
+      const Status launched = detail::cuda_status(e, "cudaLaunchKernelEx(sm90_fused_moe)", __FILE__, __LINE__);
+      if (!launched.ok()) {
+        // Nothing ran: no dispatch a later combine() could pair with, and the stage events still
+        // hold the previous call's times, which stage_times_ms must not report as this call's.
+        detail::DispatchAccess::set_last_tokens(*dispatch_, -1);
+        return timing_failed(launched);
+      }
+      // The fused call dispatched num_tokens: dispatcher().combine() checks against this call.
+      detail::DispatchAccess::set_last_tokens(*dispatch_, num_tokens);
       // Stage timing: the whole call is reported as the first stage, the others as 0.
       for (int i = 1; i <= 4; ++i) record(i, stream);
       return Status::Ok();
     }
-    EPMOE_RETURN_IF_ERROR(dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream));
+    const Status dispatched = dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream);
+    if (!dispatched.ok()) return timing_failed(dispatched);
 
     // From here on every peer waits for this rank's combine: an error no longer returns early.
     // It is kept, combine still runs (y is then undefined), and the first one is returned.
@@ -195,6 +217,13 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   DispatchHandle& dispatcher() override { return *dispatch_; }
 
  private:
+  // A forward call that ends before its stage events are all recorded: stage_times_ms reports this
+  // error instead of the events' older times.
+  Status timing_failed(const Status& st) {
+    if (timing_ && timing_error_.ok()) timing_error_ = st;
+    return st;
+  }
+
   // Stage events after dispatch was launched: a failure must not end the call (see forward), so
   // the first one is kept for stage_times_ms.
   void record(int i, cudaStream_t stream) {
@@ -215,6 +244,36 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel
+
+  // Collective, after DispatchHandle::create: every rank learns whether planning the GEMMs and
+  // configuring the megakernel worked on every rank. Why: a rank that returned alone would leave its
+  // peers in the next collective step (or in the handle's collective destructor), and a fused
+  // kernel launched on some ranks only would trap the ranks that did launch.
+  Status agree_across_ranks(const Status& planned) {
+    const int64_t mine[2] = {planned.ok() ? 0 : 1, fused_status_.ok() ? 0 : 1};
+    std::vector<int64_t> all;
+    const Status st = detail::all_gather_words(comm_, mine, 2, &all);
+    if (!st.ok())
+      return Status(st.code(), "MoELayer::create: agreeing on the GEMM plans across ranks: " + st.message());
+    std::vector<int> plan_failed, fused_failed;
+    for (int r = 0; r < comm_.size(); ++r) {
+      if (all[size_t(r) * 2]) plan_failed.push_back(r);
+      if (all[size_t(r) * 2 + 1]) fused_failed.push_back(r);
+    }
+    if (!plan_failed.empty()) {
+      if (!planned.ok()) return planned;
+      return Status(StatusCode::kInternal, "MoELayer::create on rank " + std::to_string(comm_.rank()) +
+                                               ": planning the expert GEMMs failed on " +
+                                               detail::rank_list(plan_failed) + " (see the message there)");
+    }
+    if (!fused_failed.empty()) {
+      std::string why = "forward: path=fused is unavailable: configuring the megakernel failed on " +
+                        detail::rank_list(fused_failed) + ", so no rank runs it (path=pipeline works)";
+      if (!fused_status_.ok()) why += "; here: " + fused_status_.message();
+      fused_status_ = Status(StatusCode::kUnsupported, why);
+    }
+    return Status::Ok();
+  }
 
   // The megakernel's attributes and co-resident grid, on the current (the layer's) device.
   Status configure_fused() {

@@ -77,13 +77,15 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
   // Control words do not overlap each other, and each kernel's last-block counters are distinct.
   EXPECT_EQ(l.dispatch_epoch_offset() % 8, 0);
   EXPECT_EQ(l.combine_epoch_offset() % 8, 0);
+  EXPECT_EQ(l.timeout_record_offset() % 8, 0);  // a pointer, loaded as one 8-byte word
   expect_disjoint_aligned_words({{l.status_offset(), 4},
                                  {l.grid_barrier_offset(), 4},
                                  {l.dispatch_arrive_offset(), 4},
                                  {l.combine_arrive_offset(), 4},
                                  {l.dispatch_epoch_offset(), 8},
                                  {l.combine_epoch_offset(), 8},
-                                 {l.combine_done_arrive_offset(), 4}},
+                                 {l.combine_done_arrive_offset(), 4},
+                                 {l.timeout_record_offset(), 8}},
                                 l.control_bytes());
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "device/comm/peers.h"
+#include "device/comm/timeout_record.h"
 #include "device/layout/comm_layout.h"
 #include "device/layout/expert_pool.h"
 
@@ -28,6 +29,7 @@ struct DispatchParams {
   char* local_ws;            // CommLocalLayout
   bool pow2_scales;
   uint64_t timeout_ns;
+  CommTimeoutRecord* timeout_record;  // mapped pinned host memory: where a wait that expires reports
 };
 
 struct CombineParams {
@@ -39,6 +41,7 @@ struct CombineParams {
   PeerPtrs sym;
   char* local_ws;
   uint64_t timeout_ns;
+  CommTimeoutRecord* timeout_record;  // the same record as the dispatch's
 };
 
 inline constexpr int kCommThreads = 512;

@@ -38,7 +38,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   uint32_t* status = reinterpret_cast<uint32_t*>(ws + loc.status_offset());
   int32_t* cursor = reinterpret_cast<int32_t*>(ws + loc.cursor_offset());
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.dispatch_epoch_offset());
-  const WaitSite site{p.rank, p.timeout_ns, status};
+  const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
   const uint64_t epoch = ld_relaxed_gpu(epoch_word) + 1;
 
   // Phase 0: our staging and the counts we wrote last call may still be read by a destination.

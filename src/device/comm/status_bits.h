@@ -7,8 +7,9 @@
 namespace epmoe::comm {
 
 inline constexpr uint32_t kStatusBadExpert = 1u << 0;  // a topk_idx outside [-1, E): slot treated as masked
-// Set by a bounded wait just before it traps. Why the host never sees it: the trap kills the CUDA
-// context, so check_errors cannot read the word afterwards; it is there for a debugger or core dump.
+// Set by a bounded wait just before it traps; the thread that sets it first writes the timeout
+// record (comm/wait.h). The host never reads the bit: the trap kills the CUDA context, so
+// check_errors reads the record in host memory instead.
 inline constexpr uint32_t kStatusTimeout = 1u << 1;
 // Bit 2 is retired (duplicate experts used to be masked; they are now computed, as SPEC asks).
 inline constexpr uint32_t kStatusInternal = 1u << 3;  // an impossible row index (a bug): write skipped

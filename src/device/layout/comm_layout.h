@@ -85,7 +85,11 @@ struct CommLocalLayout {
   EPMOE_HD int64_t dispatch_epoch_offset() const { return 16; }    // u64: calls completed
   EPMOE_HD int64_t combine_epoch_offset() const { return 24; }     // u64
   EPMOE_HD int64_t combine_done_arrive_offset() const { return 32; }  // u32: last-block counter, phase C
-  EPMOE_HD int64_t control_bytes() const { return 40; }
+  // u64: device address of this handle's comm::CommTimeoutRecord (mapped pinned host memory),
+  // written once at create. Why here too (the params carry it as well): a WaitSite built only from
+  // (rank, timeout, status word) finds it next to the status word (see comm/wait.h).
+  EPMOE_HD int64_t timeout_record_offset() const { return 40; }
+  EPMOE_HD int64_t control_bytes() const { return 48; }
 
   // [E] int32: per global expert, rows this rank sends there in the current call (atomic cursor).
   EPMOE_HD int64_t cursor_bytes() const { return int64_t(s.num_experts) * 4; }
