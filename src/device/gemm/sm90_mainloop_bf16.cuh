@@ -19,12 +19,10 @@ struct Sm90Bf16Mainloop {
   using Pipe = pipeline::TmaPipeline<kStages>;
   using State = pipeline::PipelineState<kStages>;
 
-  // after_release() runs on every thread of the warpgroup right after it released a stage (the
-  // kernel refills stages from there). Returns false when a stage never arrived (the bounded
+  // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
-  template <class AfterRelease>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, uint8_t* smem, int num_k_blocks,
-                             const float* const (&)[2], int wg, AfterRelease&& after_release) {
+                             const float* const (&)[2], int wg) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -50,7 +48,6 @@ struct Sm90Bf16Mainloop {
       ptx::wgmma_wait_group_sync_aligned<1>();
       if (kb > 0) {
         if (lane == 0) pipe.consumer_release(prev);
-        after_release();
         ++prev;
       }
       ++st;
@@ -59,7 +56,6 @@ struct Sm90Bf16Mainloop {
     ptx::fence_operands(acc);
     if (num_k_blocks > 0) {
       if (lane == 0) pipe.consumer_release(prev);
-      after_release();
     }
     return true;
   }

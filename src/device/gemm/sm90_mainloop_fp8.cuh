@@ -30,12 +30,10 @@ struct Sm90Fp8Mainloop {
 
   // b_scale[h]: the weight scales of N half h, one float per K block; nullptr when the half lies
   // past N (it is still computed, its result is unused).
-  // after_release() runs on every thread of the warpgroup right after it released a stage (the
-  // kernel refills stages from there). Returns false when a stage never arrived (the bounded
+  // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
-  template <class AfterRelease>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, uint8_t* smem, int num_k_blocks,
-                             const float* const (&b_scale)[2], int wg, AfterRelease&& after_release) {
+                             const float* const (&b_scale)[2], int wg) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;  // this thread's first row in the tile
@@ -68,10 +66,7 @@ struct Sm90Fp8Mainloop {
         ptx::fence_operands(tmp);
         // The scales are in registers and the tensor cores are done with the stage: hand it
         // back before the last promotion so the producer refills it sooner.
-        if (h == 1) {
-          if (lane == 0) pipe.consumer_release(st);
-          after_release();
-        }
+        if (h == 1 && lane == 0) pipe.consumer_release(st);
 
         const float sb = h == 0 ? sb0 : sb1;
         const float s0 = sa0 * sb;

@@ -1,6 +1,6 @@
 // The TMA producer of the grouped GEMM: walks the tile sequence on its own scheduler copy and
-// fills the stage ring one K block at a time. One thread owns it; in the grouped GEMM kernel that
-// thread is lane 0 of the first math warp, which refills a stage right after releasing it.
+// fills the stage ring one K block at a time. One thread owns it: thread 0 of the block, the only
+// working thread of the producer warpgroup (sm90_grouped_gemm.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -29,12 +29,13 @@ struct Sm90TmaProducer {
   int kb = 0;
   bool has_tile = false;
 
-  __device__ void start() {
+  // Loads every K block of every tile of this block, in the order the math warpgroups consume
+  // them; each load waits (bounded) until the consumers released its stage.
+  __device__ void run() {
     ptx::prefetch_tensormap(tmap_a);
     ptx::prefetch_tensormap(tmap_b);
     has_tile = sched.next(tile);
-    // Every stage starts empty: fill them all.
-    for (int s = 0; s < kStages; ++s) issue_next();
+    while (has_tile) issue_next();
   }
 
   // Loads the next K block of the tile sequence into the next stage, once the consumers have

@@ -5,8 +5,10 @@
 //   (comm/combine_phases.cuh), with gemm::sm90_grouped_gemm_tiles for both GEMMs.
 //
 // Every stage is the standalone kernels' own device code, so y is bitwise the pipeline's.
-// Block = the GEMM's 2 math warpgroups (256 threads, ~245 registers per FP8 thread): the comm
-// phases run on 8 warps per block instead of 16 (their results do not depend on the split).
+// Block = the GEMM's 3 warpgroups (384 threads: producer + 2 math): the comm phases run on all 12
+// warps at the entry budget of 168 registers per thread (their results do not depend on the
+// split); inside each GEMM phase each warpgroup switches to its role's budget (producer 40, math
+// 232) and back to 168 (gemm::sm90_grouped_gemm_tiles).
 // One smem ring and one set of mbarriers serve L1 and L2: the L2 tile loop continues from the
 // producer/consumer pipeline states where L1 stopped, so no barrier is re-initialised mid-phase.
 // The dispatch's scratch ((R + 1) * E_loc + 1 ints, <= 37 KB) lives in the ring's A tiles,

@@ -3,13 +3,17 @@
 // a plain-bf16 (L2) or SwiGLU (L1) epilogue. Only roles live here; the pieces are in
 // device/{pipeline,scheduler,gemm}.
 //
-// Block = 2 warpgroups (256 threads), each running wgmma on 64 rows x 256 columns of the
-// 128 x 256 tile and then the epilogue of those rows. Lane 0 of warp 0 is also the TMA producer:
-// it refills each stage right after its warpgroup released it.
-// Why no separate producer warp(group): registers are split per SM sub-partition, so any ninth
-// warp caps every thread at 168 registers (ptxas 13.0 does not allocate beyond the entry cap
-// after setmaxnreg.inc either), and an FP8 math thread needs ~245: 128 accumulators plus a
-// 64-float promotion scratch. With 8 warps every thread may use 255.
+// Block = 3 warpgroups (384 threads): warpgroup 0 is the producer (its thread 0 issues every TMA
+// load; the other 127 threads only give their registers away), warpgroups 1 and 2 are the math
+// warpgroups, each running wgmma on 64 rows x 256 columns of the 128 x 256 tile and then the
+// epilogue of those rows. Register budgets per role with setmaxnreg: producer 40, math 232
+// (40 + 2 x 232 = 3 x 168, the whole register file at one block per SM).
+// Why a separate producer: with the producer inside a math warp (the first version), the refill of
+// a stage waited for the other warpgroup's release of the same stage, so the two math warpgroups
+// ran in lock step and promoted at the same time, leaving the tensor pipe idle (ncu: ~50% busy).
+// Decoupled, one warpgroup's promotion overlaps the other's wgmma.
+// Why 232 is enough: the FP8 math thread holds 128 accumulators plus a 64-float promotion scratch;
+// ptxas honours the setmaxnreg budget because __launch_bounds__(384, 1) fixes the entry count.
 #pragma once
 
 #include <cuda.h>
@@ -34,8 +38,14 @@ namespace epmoe::gemm {
 
 enum class Sm90Epilogue { kStoreBf16, kSwiGLU };
 
-inline constexpr int kNumThreads = 256;
+inline constexpr int kNumThreads = 384;
 inline constexpr int kMathWarpgroups = 2;
+inline constexpr int kProducerWarpgroup = 0;  // warpgroups 1.. are the math warpgroups
+inline constexpr uint32_t kProducerRegs = 40;
+inline constexpr uint32_t kMathRegs = 232;
+inline constexpr uint32_t kEntryRegs = 65536 / kNumThreads / 8 * 8;  // what __launch_bounds__(384, 1) gives
+static_assert(kProducerRegs + kMathWarpgroups * kMathRegs <= kEntryRegs * (kMathWarpgroups + 1),
+              "setmaxnreg budgets must fit the registers the block was launched with");
 inline constexpr int kRasterGroupN = 8;
 
 template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
@@ -49,15 +59,20 @@ struct Sm90GroupedGemmConfig {
   using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>;
   using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler>;
   static_assert(kMathWarpgroups * kWarpgroupM == kBlockM, "the math warpgroups split the tile's M");
-  static_assert(kMathWarpgroups * 128 == kNumThreads, "every warp is a math warp (see the header comment)");
+  static_assert((kMathWarpgroups + 1) * 128 == kNumThreads, "one producer warpgroup plus the math warpgroups");
 };
 
 // The persistent tile loop of one grouped GEMM on an initialised pipeline: every thread of the
-// block calls it. `producer_st` (meaningful in thread 0, the producer) and `consumer_st` (every
-// math thread) are where the ring stands; both come back advanced by the K blocks this block
-// loaded and consumed, which are equal. Why carried states: the fused kernel runs L1 and then L2
-// on the same ring and barriers, so L2 continues at the phase L1 stopped at instead of
-// re-initialising barriers that may still be mid-phase.
+// block calls it, at the entry register budget (kEntryRegs), and gets it back on return. `producer_st` (meaningful in thread 0, the
+// producer) and `consumer_st` (every math thread) are where the ring stands; both come back
+// advanced by the K blocks this block loaded and consumed, which are equal. Why carried states:
+// the fused kernel runs L1 and then L2 on the same ring and barriers, so L2 continues at the
+// phase L1 stopped at instead of re-initialising barriers that may still be mid-phase.
+// Inside, each role runs at its own budget (setmaxnreg). Why inside the role branches and not
+// around the call: code after a merge of a 40-register and a 232-register path is allocated for
+// the smaller budget, so ptxas drops both setmaxnreg (C7507) and the math code spills.
+// The producer, done with its loads, waits in setmaxnreg.inc until the math warpgroups gave
+// their registers back after their last epilogue. Nothing else synchronises the block.
 template <class Cfg>
 __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                                         const GroupedGemmParams& p,
@@ -66,29 +81,36 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
                                                         typename Cfg::Mainloop::State& consumer_st) {
   using Mainloop = typename Cfg::Mainloop;
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
-  const bool is_producer = threadIdx.x == 0;
-  typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem, typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
-  producer.st = producer_st;
-  if (is_producer) producer.start();
-  __syncwarp();
-  // Why __syncwarp: the producer lane diverged; wgmma needs the whole warp converged.
-  auto after_release = [&] {
-    if (is_producer) producer.issue_next();
+  if (threadIdx.x / 128 == kProducerWarpgroup) {
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
+                                      typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
+      producer.st = producer_st;
+      producer.run();
+      producer_st = producer.st;
+    }
+    // Why: the producer lane diverged from its warp; setmaxnreg and the callers' barriers are
+    // aligned (whole warp).
     __syncwarp();
-  };
+    ptx::setmaxnreg_inc<kEntryRegs>();
+    return;
+  }
+  ptx::setmaxnreg_inc<kMathRegs>();
 
-  const int wg = threadIdx.x / 128;
+  const int wg = threadIdx.x / 128 - 1;  // math warpgroup index: rows [64 wg, 64 wg + 64) of the tile
   const int num_k_blocks = p.k / Cfg::kBlockK;
   typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
   typename Mainloop::State& st = consumer_st;
   scheduler::GemmTile tile;
   float acc[128];
+  bool timed_out = false;
   while (sched.next(tile)) {
     const float* b_scale[2] = {nullptr, nullptr};
     if constexpr (Cfg::kFp8) {
       static_assert(Cfg::kBlockK == kScaleBlock, "one weight scale per K block: num_k_blocks is k / 128");
       // Why the empty asm: it keeps n / 128 from becoming a loop invariant held across the tile
-      // loop; the fused kernel's FP8 loop sits at 255 registers, and that one value spilled.
+      // loop; the fused kernel's FP8 loop sits at its register cap, and that one value spilled.
       int n_weight_rows = p.n;
       asm volatile("" : "+r"(n_weight_rows));
       const int n_blocks128 = n_weight_rows / kScaleBlock;
@@ -101,15 +123,20 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
         if (nb < n_blocks128) b_scale[h] = p.b_scale + (tile.expert * n_blocks128 + nb) * num_k_blocks;
       }
     }
-    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg, after_release))
-      pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, st.index, st.phase, sched.next_linear);
+    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg)) {
+      timed_out = true;
+      break;
+    }
     if constexpr (Cfg::kSwiGLU) {
       Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
     } else {
       Sm90EpilogueStoreBf16::run(acc, p, tile, wg);
     }
   }
-  producer_st = producer.st;
+  ptx::setmaxnreg_dec<kEntryRegs>();
+  // Why the report after the loop: a trap inside the 232-register region makes ptxas allocate that
+  // whole region for the entry budget of 168 (measured: 58 spilled accumulator slots).
+  if (timed_out) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, st.index, st.phase, sched.next_linear);
 }
 
 template <class Cfg>
