@@ -175,7 +175,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
         // Nothing ran: no dispatch a later combine() could pair with, and the stage events still
         // hold the previous call's times, which stage_times_ms must not report as this call's.
         detail::DispatchAccess::set_last_tokens(*dispatch_, -1);
-        return timing_failed(launched);
+        return timing_failed(explain_cuda_error(launched, stream));
       }
       // The fused call dispatched num_tokens: dispatcher().combine() checks against this call.
       detail::DispatchAccess::set_last_tokens(*dispatch_, num_tokens);
@@ -184,7 +184,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       return Status::Ok();
     }
     const Status dispatched = dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream);
-    if (!dispatched.ok()) return timing_failed(dispatched);
+    if (!dispatched.ok()) return timing_failed(explain_cuda_error(dispatched, stream));
 
     // From here on every peer waits for this rank's combine: an error no longer returns early.
     // It is kept, combine still runs (y is then undefined), and the first one is returned.
@@ -195,9 +195,18 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     record(3, stream);
     Status combined = dispatch_->combine(y, num_tokens, stream);
     record(4, stream);
-    if (!st.ok()) return st;
-    EPMOE_RETURN_IF_ERROR(combined);
+    if (!st.ok()) return explain_cuda_error(st, stream);
+    if (!combined.ok()) return explain_cuda_error(combined, stream);
     return Status::Ok();
+  }
+
+  // A launch can fail because an earlier kernel of this call already trapped (a bounded wait for a
+  // peer expired: the CUDA error is sticky). Then the timeout record says which wait, and that is
+  // the error to return, not the launch's generic "unspecified launch failure".
+  Status explain_cuda_error(const Status& st, cudaStream_t stream) {
+    if (st.code() != StatusCode::kCudaError) return st;
+    Status device = dispatch_->check_errors(stream);
+    return device.code() == StatusCode::kTimeout ? device : st;
   }
 
   Status check_device_error(cudaStream_t stream) override { return dispatch_->check_errors(stream); }

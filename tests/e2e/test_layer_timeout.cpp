@@ -84,8 +84,12 @@ Status never_arrive_rank(const RankContext& ctx, Path path, const int done[2]) {
   RANK_CUDA(cudaMemcpy(d_wt.p, wt.data(), wt.size() * sizeof(float), cudaMemcpyHostToDevice));
 
   // Both ranks call forward; the silent one launches nothing and still returns Ok.
-  RANK_OK(layer->forward(x.p, d_idx.p, d_wt.p, y.p, T, stream, path));
-  const Status st = layer->check_device_error(stream);
+  // The waiting rank's forward may itself fail: once its first kernel trapped, the later launches of
+  // the same call return the sticky error, which forward turns into the timeout diagnostic.
+  const Status fwd = layer->forward(x.p, d_idx.p, d_wt.p, y.p, T, stream, path);
+  RANK_CHECK(fwd.ok() || (!silent && fwd.code() == StatusCode::kTimeout), ctx,
+             "forward returned " << fwd.to_string());
+  const Status st = fwd.ok() ? layer->check_device_error(stream) : fwd;
   std::printf("[timeout] rank %d check_device_error: %s\n", ctx.rank, st.to_string().c_str());
   std::fflush(stdout);
 
