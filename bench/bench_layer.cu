@@ -249,9 +249,11 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
       const Stats st = stats_of(us);
       path_median.push_back(st.median);
 
-      // Per-stage split (pipeline only), from a separate timed pass without graphs.
+      // Per-stage split, from a separate timed pass without graphs: stream events between the
+      // pipeline's kernels, the megakernel's own phase stamps for the fused path (there L1 and L2
+      // end at their last tile on any SM, and combine includes the GEMM -> combine barrier).
       std::string stages;
-      if (path == Path::kPipeline) {
+      {
         detail::LayerInternals* in = detail::internals(*layer);
         std::vector<std::vector<double>> per(4);
         in->set_stage_timing(true);

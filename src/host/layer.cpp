@@ -65,6 +65,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       EPMOE_RETURN_IF_ERROR(w2_scale_.alloc(size_t(g) * (h / 128) * (i / 128) * sizeof(float)));
     }
     for (auto& e : stage_events_) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
+    EPMOE_RETURN_IF_ERROR(phase_ts_.alloc(sizeof(unsigned long long) * fused::kFusedPhaseCount));
     EPMOE_RETURN_IF_ERROR(DispatchHandle::create(comm_, dc, &dispatch_));
 
     // Why plan here: every host step of the GEMMs that can fail (checks, the sm_90 check, tensor
@@ -164,6 +165,15 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.l1 = plan_l1_.params;
       fp.l2 = plan_l2_.params;
       fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
+      fp.phase_ts = nullptr;
+      if (timing_) {
+        // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
+        const Status z = detail::cuda_status(
+            cudaMemsetAsync(phase_ts_.ptr, 0, sizeof(unsigned long long) * fused::kFusedPhaseCount, stream),
+            "cudaMemsetAsync(phase stamps)", __FILE__, __LINE__);
+        if (!z.ok()) return timing_failed(z);
+        fp.phase_ts = static_cast<unsigned long long*>(phase_ts_.ptr);
+      }
       const cudaError_t e =
           cfg_.dtype == DType::kFP8
               ? fused::launch_sm90_fused_moe_fp8(plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a, plan_l2_.map_b, fp,
@@ -179,10 +189,12 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       }
       // The fused call dispatched num_tokens: dispatcher().combine() checks against this call.
       detail::DispatchAccess::set_last_tokens(*dispatch_, num_tokens);
+      last_path_ = Path::kFused;
       // Stage timing: the whole call is reported as the first stage, the others as 0.
       for (int i = 1; i <= 4; ++i) record(i, stream);
       return Status::Ok();
     }
+    last_path_ = Path::kPipeline;
     const Status dispatched = dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream);
     if (!dispatched.ok()) return timing_failed(explain_cuda_error(dispatched, stream));
 
@@ -219,6 +231,22 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (!timing_) return invalid("stage_times_ms: call set_stage_timing(true) before forward");
     EPMOE_RETURN_IF_ERROR(timing_error_);
     EPMOE_CUDA_RETURN(cudaEventSynchronize(stage_events_[4]));
+    if (last_path_ == Path::kFused) {
+      // The megakernel's own stamps: dispatch (to the end of its grid barrier), L1 (to the last
+      // L1 tile), L2 (to the last L2 tile; the two overlap across blocks), combine (the GEMM ->
+      // combine barrier included).
+      unsigned long long ts[fused::kFusedPhaseCount];
+      EPMOE_CUDA_RETURN(cudaMemcpy(ts, phase_ts_.ptr, sizeof(ts), cudaMemcpyDeviceToHost));
+      const unsigned long long t0 = ~ts[fused::kPhaseStart];
+      const unsigned long long at[4] = {ts[fused::kPhaseDispatchDone], ts[fused::kPhaseL1Done],
+                                        ts[fused::kPhaseL2Done], ts[fused::kPhaseEnd]};
+      unsigned long long prev = t0;
+      for (int s = 0; s < 4; ++s) {
+        out[s] = at[s] >= prev ? float(double(at[s] - prev) * 1e-6) : 0.0f;
+        prev = at[s];
+      }
+      return Status::Ok();
+    }
     for (int s = 0; s < 4; ++s)
       EPMOE_CUDA_RETURN(cudaEventElapsedTime(&out[s], stage_events_[s], stage_events_[s + 1]));
     return Status::Ok();
@@ -250,6 +278,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   bool timing_ = false;
   Status timing_error_;  // first failed stage-event record of the last forward call
   cudaEvent_t stage_events_[5] = {};
+  DeviceBuffer phase_ts_;           // the megakernel's phase stamps (stage timing of Path::kFused)
+  Path last_path_ = Path::kPipeline;
   gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel

@@ -112,6 +112,19 @@ E2E_CASE(CudaGraphReplay, kBothPaths, 240, {
   return c;
 })
 
+// Issue 6's soak: 10,000 fused calls with fresh random routing each call, y checked against the
+// reference (and bitwise against the pipeline) every 2,000 calls. Its own suite so that the quick
+// GPU run can leave it out (tools/gpu_all.sh runs it in full mode).
+TEST(LayerSoak, FusedTenThousandCallsFreshRouting) {
+  EPMOE_REQUIRE_RANKS(2);
+  LayerCase c = fused(make(kTop2, DType::kFP8, Routing::kZipf, {96, 64}));
+  c.shape = Shape{"small", 8, 512, 256, 4};
+  c.calls = 10000;
+  c.check_every = 2000;
+  c.sample_per_rank = 64;
+  run_case(c, 2, 500);
+}
+
 // Calls alternate between the paths on one layer: both share the dispatch/combine epochs and the
 // pool, so a fused call right after a pipeline call (and back) must see consistent state.
 TEST(LayerE2EFused, AlternatingPaths) {

@@ -64,13 +64,25 @@ TEST(CommLayout, FlagsFitTheirRegion) {
     }
 }
 
+// The fused kernel's ready counters cover every 128-row block of the layer's pool.
+TEST(CommLayout, ReadyCountersCoverThePool) {
+  for (const CommShape s : {CommShape{2, 64, 7168, 8, 4096, true, 4}, CommShape{8, 256, 2048, 8, 1, false, 4},
+                            CommShape{2, 2, 128, 1, 0, true, 2}}) {
+    const CommLocalLayout l{s};
+    const epmoe::layout::ExpertPoolLayout pool{
+        epmoe::layout::pool_shape_for(s, 256, CommLocalLayout::kReadyBlockRows)};
+    EXPECT_EQ(l.mblock_ready_count() * CommLocalLayout::kReadyBlockRows, pool.max_rows());
+  }
+}
+
 TEST(CommLayout, LocalRegionsDisjointAndAligned) {
   const CommShape s{4, 256, 4096, 8, 1000, true, 4};
   const CommLocalLayout l{s};
   expect_disjoint_aligned({{0, l.control_bytes()},
                            {l.cursor_offset(), l.cursor_bytes()},
                            {l.token_rows_offset(), l.token_rows_bytes()},
-                           {l.recv_tokens_offset(), l.recv_tokens_bytes()}},
+                           {l.recv_tokens_offset(), l.recv_tokens_bytes()},
+                           {l.mblock_ready_offset(), l.mblock_ready_bytes()}},
                           l.num_bytes());
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
   EXPECT_EQ(l.token_rows_bytes(), int64_t(4) * 1000 * 8 * 4);

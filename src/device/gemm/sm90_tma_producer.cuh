@@ -10,6 +10,8 @@
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
 #include "device/pipeline/sm90_watchdog.cuh"
+#include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
 #include "device/ptx/tma.cuh"
 #include "device/scheduler/sm90_grouped_scheduler.cuh"
 
@@ -25,23 +27,41 @@ struct Sm90TmaProducer {
   uint8_t* smem;
   Scheduler sched;
   pipeline::PipelineState<kStages> st{};
-  scheduler::GemmTile tile{};
-  int kb = 0;
-  bool has_tile = false;
 
   // Loads every K block of every tile of this block, in the order the math warpgroups consume
   // them; each load waits (bounded) until the consumers released its stage.
-  __device__ void run() {
+  // `ready` (optional, the fused kernel's L2): before a tile's first load, wait until
+  // ready[tile.row0 / BLOCK_M] >= target, i.e. every L1 tile of those pool rows is stored.
+  __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0) {
     ptx::prefetch_tensormap(tmap_a);
     ptx::prefetch_tensormap(tmap_b);
-    has_tile = sched.next(tile);
-    while (has_tile) issue_next();
+    const int num_k_blocks = p->k / kBlockK;
+    scheduler::GemmTile tile;
+    while (sched.next(tile)) {
+      if (ready) {
+        if (!wait_ready(ready + tile.row0 / Scheduler::kTileM, target))
+          pipeline::report_timeout(pipeline::WaitSite::kProducerReady, st.index, st.phase, sched.next_linear);
+        // Why: the rows were written with generic stores and are read next by TMA (async proxy).
+        ptx::fence_proxy_async_global();
+      }
+      for (int kb = 0; kb < num_k_blocks; ++kb) issue(tile, kb);
+    }
   }
 
-  // Loads the next K block of the tile sequence into the next stage, once the consumers have
-  // released it. Does nothing after the last tile.
-  __device__ void issue_next() {
-    if (!has_tile) return;
+ private:
+  __device__ static bool wait_ready(const uint32_t* w, uint32_t target) {
+    // Why a signed difference: the counters restart from 0 every call, but this stays right
+    // even if they were ever allowed to wrap.
+    if (int32_t(ptx::ld_acquire_gpu_u32(w) - target) >= 0) return true;
+    const uint64_t start = ptx::globaltimer_ns();
+    while (int32_t(ptx::ld_acquire_gpu_u32(w) - target) < 0) {
+      if (ptx::globaltimer_ns() - start > pipeline::kWaitTimeoutNs) return false;
+    }
+    return true;
+  }
+
+  // Loads K block kb of the tile into the next stage, once the consumers have released it.
+  __device__ void issue(const scheduler::GemmTile& tile, int kb) {
     if (!pipe.producer_acquire(st))
       pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
     uint64_t* full = pipe.producer_barrier(st);
@@ -53,10 +73,6 @@ struct Sm90TmaProducer {
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(st.index), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
                          Layout::kScaleA, full);
     ++st;
-    if (++kb == p->k / kBlockK) {
-      kb = 0;
-      has_tile = sched.next(tile);
-    }
   }
 };
 

@@ -17,6 +17,21 @@ struct FusedMoeParams {
   gemm::GroupedGemmParams l1;
   gemm::GroupedGemmParams l2;
   comm::CombineParams combine;
+  // Optional (nullptr = off; the benchmark's stage timing): kFusedPhaseCount globaltimer stamps,
+  // zeroed by the host before the call. Slots marked "first" hold ~t of the earliest block (so
+  // that one atomicMax serves both), the others t of the latest block.
+  unsigned long long* phase_ts;
+};
+
+// Phase stamps of one fused call (see FusedMoeParams::phase_ts).
+enum FusedPhase : int {
+  kPhaseStart = 0,         // first block starts (~t)
+  kPhaseDispatchDone = 1,  // last block leaves the dispatch -> GEMM grid barrier
+  kPhaseL1Done = 2,        // last math warpgroup finishes its L1 tiles
+  kPhaseL2Done = 3,        // last math warpgroup finishes its L2 tiles
+  kPhaseCombineStart = 4,  // last block leaves the GEMM -> combine grid barrier
+  kPhaseEnd = 5,           // last block finishes combine
+  kFusedPhaseCount = 6
 };
 
 // Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and

@@ -1,33 +1,37 @@
-// The fused MoE megakernel, v0: one persistent cooperative launch per layer call that runs the
-// pipeline's four stages back to back, separated by grid barriers:
+// The fused MoE megakernel (v1): one persistent cooperative launch per layer call.
 //
-//   dispatch (comm/dispatch_phases.cuh) -> L1 + SwiGLU tiles -> L2 tiles -> combine
-//   (comm/combine_phases.cuh), with gemm::sm90_grouped_gemm_tiles for both GEMMs.
+//   dispatch (comm/dispatch_phases.cuh) -> grid barrier -> L1 + SwiGLU tiles and L2 tiles as one
+//   tile sequence per block, ordered by per-m-block readiness counters -> grid barrier -> combine
+//   (comm/combine_phases.cuh)
 //
 // Every stage is the standalone kernels' own device code, so y is bitwise the pipeline's.
 // Block = the GEMM's 3 warpgroups (384 threads: producer + 2 math): the comm phases run on all 12
 // warps at the entry budget of 168 registers per thread (their results do not depend on the
-// split); inside each GEMM phase each warpgroup switches to its role's budget (producer 40, math
-// 232) and back to 168 (gemm::sm90_grouped_gemm_tiles).
-// One smem ring and one set of mbarriers serve L1 and L2: the L2 tile loop continues from the
-// producer/consumer pipeline states where L1 stopped, so no barrier is re-initialised mid-phase.
+// split); for the GEMMs each warpgroup switches to its role's budget (producer 40, math 232) and
+// back to 168 before the next grid barrier (fused_gemm_tiles).
+// One smem ring and one set of mbarriers serve L1 and L2: the L2 tiles continue from the
+// pipeline states where L1 stopped, so no barrier is re-initialised mid-phase.
 // The dispatch's scratch ((R + 1) * E_loc + 1 ints, <= 37 KB) lives in the ring's A tiles,
 // which TMA first writes after the dispatch -> L1 barrier.
 //
 // Memory ordering between stages (all inside one kernel, so no kernel boundary helps):
 // - dispatch writes x_pool / x_scale with generic stores and L1 reads them through TMA (async
-//   proxy); the L1 epilogue writes a_pool / a_scale that L2 reads through TMA. The writers issue
-//   fence.proxy.async.global before the grid barrier (which is a gpu/sys-scope release/acquire),
-//   and the producer thread issues it again after the barrier before its first TMA.
+//   proxy): the writers issue fence.proxy.async.global before the grid barrier (a gpu/sys-scope
+//   release/acquire), and the producer thread issues it again after the barrier.
+// - the L1 epilogue writes a_pool / a_scale that L2 reads through TMA on any SM: every writing
+//   thread issues fence.proxy.async.global, the math warpgroup meets at a named barrier, one
+//   thread adds to ready[m-block] with red.release.gpu; the L2 producer acquires the count
+//   (ld.acquire.gpu, bounded wait), issues fence.proxy.async.global, then its TMA loads.
 // - the smem scratch of dispatch is read with generic loads, then overwritten by TMA:
 //   fence.proxy.async.shared::cta before the barrier.
 // - L2's generic o_pool stores -> combine's generic loads: the grid barrier alone.
 // - expert_count / expert_offset / row_weight are written by dispatch and read by the GEMM with
-//   ld.global.cg (L2, coherent across SMs after the barrier), not the non-coherent path, so the
-//   order stays right when v1 replaces the barrier with per-block counters.
+//   ld.global.cg (L2, coherent across SMs after the barrier), not the non-coherent path.
+// - ready[] restarts from 0 every call: after the last grid barrier (no L2 load is pending) the
+//   blocks zero the counters of the m-blocks this call used.
 //
 // Why no printf anywhere: a call in a kernel that issues wgmma serializes all wgmma (C7510),
-// hence EPMOE_COMM_WAIT_NO_PRINTF (timeouts are recorded in a device global, then trap).
+// hence EPMOE_COMM_WAIT_NO_PRINTF (timeouts are recorded in mapped host memory, then trap).
 #pragma once
 
 #ifndef EPMOE_COMM_WAIT_NO_PRINTF
@@ -70,6 +74,51 @@ struct FusedMoeConfig {
   static_assert(kDispatchScratchBytes <= int(Layout::b_offset(0)), "dispatch scratch must fit in the A tiles");
 };
 
+// L1 then L2 as one tile sequence per block, without a grid barrier between them: the producer
+// starts an L2 tile once every L1 tile of its pool m-block is stored (ready[m] counts the math
+// warpgroups' releases, kMathWarpgroups per L1 tile), so the L1 tail of some blocks overlaps the
+// first L2 tiles of others. Each role sets its register budget once for both GEMMs.
+// Deadlock-free: a block's L1 tiles never wait on anything but its own smem ring, every block is
+// resident (cooperative launch), and a producer only waits on L1 tiles, which all precede every
+// L2 tile in every block's sequence.
+// One phase stamp (FusedMoeParams::phase_ts); `first` records the earliest caller instead of the
+// latest.
+__device__ __forceinline__ void stamp_phase(unsigned long long* ts, int phase, bool first = false) {
+  if (!ts) return;
+  const unsigned long long t = ptx::globaltimer_ns();
+  atomicMax(ts + phase, first ? ~t : t);
+}
+
+template <class L1, class L2>
+__device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CUtensorMap* b1,
+                                                 const gemm::GroupedGemmParams& p1, const CUtensorMap* a2,
+                                                 const CUtensorMap* b2, const gemm::GroupedGemmParams& p2,
+                                                 const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
+                                                 uint32_t* ready, unsigned long long* phase_ts) {
+  const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
+  typename L1::Mainloop::State st{};
+  if (threadIdx.x / 128 == gemm::kProducerWarpgroup) {
+    ptx::setmaxnreg_dec<gemm::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      // Why here as well: dispatch wrote x_pool with generic stores before the grid barrier.
+      ptx::fence_proxy_async_global();
+      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st);
+      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target);
+    }
+    __syncwarp();
+    ptx::setmaxnreg_inc<gemm::kEntryRegs>();
+    return;
+  }
+  ptx::setmaxnreg_inc<gemm::kMathRegs>();
+  const int wg = threadIdx.x / 128 - 1;
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1>(p1, pipe, smem, st, wg, ready);
+  if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL1Done);
+  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, smem, st, wg);
+  if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL2Done);
+  ptx::setmaxnreg_dec<gemm::kEntryRegs>();
+  if (!r.ok) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     sm90_fused_moe_kernel(const __grid_constant__ CUtensorMap map_a1, const __grid_constant__ CUtensorMap map_b1,
@@ -88,31 +137,42 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   const layout::CommLocalLayout loc{p.dispatch.shape};
   uint32_t* status = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.status_offset());
   uint32_t* barrier_word = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.grid_barrier_offset());
-  const comm::WaitSite site{p.dispatch.rank, p.dispatch.timeout_ns, status};
+  uint32_t* ready = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_ready_offset());
+  const comm::WaitSite site{p.dispatch.rank, p.dispatch.timeout_ns, status, p.dispatch.timeout_record};
+
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseStart, true);
 
   // Dispatch: tokens from every source into this rank's expert pool.
   comm::dispatch_phases<kFp8, Cfg::kWarps>(p.dispatch, reinterpret_cast<int*>(smem));
   ptx::fence_proxy_async_shared_cta();
   ptx::fence_proxy_async_global();
   comm::grid_barrier(barrier_word, site);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseDispatchDone);
 
-  // L1: x_pool W1'^T -> SwiGLU -> a_pool.
-  typename Mainloop::State producer_st{}, consumer_st{};
-  if (threadIdx.x == 0) ptx::fence_proxy_async_global();
-  gemm::sm90_grouped_gemm_tiles<typename Cfg::L1>(&map_a1, &map_b1, p.l1, pipe, smem, producer_st, consumer_st);
-  ptx::fence_proxy_async_global();
+  // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
+  fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(&map_a1, &map_b1, p.l1, &map_a2, &map_b2, p.l2, pipe, smem,
+                                                       ready, p.phase_ts);
   comm::grid_barrier(barrier_word, site);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseCombineStart);
 
-  // L2: a_pool W2^T -> o_pool, on the same ring, continuing its phases.
-  if (threadIdx.x == 0) ptx::fence_proxy_async_global();
-  gemm::sm90_grouped_gemm_tiles<typename Cfg::L2>(&map_a2, &map_b2, p.l2, pipe, smem, producer_st, consumer_st);
-  comm::grid_barrier(barrier_word, site);
+  // Every L2 tile has been loaded: reset the ready counters this call used (the pool's
+  // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.
+  {
+    const int used_rows = ptx::ld_cg_s32(p.l1.expert_offset + p.l1.num_groups);
+    const int used = (used_rows + layout::CommLocalLayout::kReadyBlockRows - 1) / layout::CommLocalLayout::kReadyBlockRows;
+    for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < used; i += int(gridDim.x * blockDim.x))
+      ready[i] = 0;
+  }
 
   // Combine: partial sums to the source ranks, y at home.
   if (p.combine.shape.partial_bytes == 4) {
     comm::combine_phases<4, Cfg::kWarps>(p.combine);
   } else {
     comm::combine_phases<2, Cfg::kWarps>(p.combine);
+  }
+  if (p.phase_ts) {
+    __syncthreads();
+    if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseEnd);
   }
 }
 

@@ -31,6 +31,7 @@
 #include "device/pipeline/sm90_tma_pipeline.cuh"
 #include "device/pipeline/sm90_watchdog.cuh"
 #include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
 #include "device/ptx/tma.cuh"
 #include "device/scheduler/sm90_grouped_scheduler.cuh"
 
@@ -47,6 +48,9 @@ inline constexpr uint32_t kEntryRegs = 65536 / kNumThreads / 8 * 8;  // what __l
 static_assert(kProducerRegs + kMathWarpgroups * kMathRegs <= kEntryRegs * (kMathWarpgroups + 1),
               "setmaxnreg budgets must fit the registers the block was launched with");
 inline constexpr int kRasterGroupN = 8;
+// Named barriers kMathBarrierBase + w (w = math warpgroup) synchronise one math warpgroup; id 0
+// is __syncthreads'.
+inline constexpr uint32_t kMathBarrierBase = 1;
 
 template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
 struct Sm90GroupedGemmConfig {
@@ -62,49 +66,48 @@ struct Sm90GroupedGemmConfig {
   static_assert((kMathWarpgroups + 1) * 128 == kNumThreads, "one producer warpgroup plus the math warpgroups");
 };
 
-// The persistent tile loop of one grouped GEMM on an initialised pipeline: every thread of the
-// block calls it, at the entry register budget (kEntryRegs), and gets it back on return. `producer_st` (meaningful in thread 0, the
-// producer) and `consumer_st` (every math thread) are where the ring stands; both come back
-// advanced by the K blocks this block loaded and consumed, which are equal. Why carried states:
-// the fused kernel runs L1 and then L2 on the same ring and barriers, so L2 continues at the
-// phase L1 stopped at instead of re-initialising barriers that may still be mid-phase.
-// Inside, each role runs at its own budget (setmaxnreg). Why inside the role branches and not
-// around the call: code after a merge of a 40-register and a 232-register path is allocated for
-// the smaller budget, so ptxas drops both setmaxnreg (C7507) and the math code spills.
-// The producer, done with its loads, waits in setmaxnreg.inc until the math warpgroups gave
-// their registers back after their last epilogue. Nothing else synchronises the block.
+// Role loops of the persistent grouped GEMM on an initialised pipeline. `st` is where the ring
+// stands for the calling role; it comes back advanced by the K blocks loaded (producer) or
+// consumed (math), which are equal. Why carried states: the fused kernel runs L1 and then L2 on
+// the same ring and barriers, so L2 continues at the phase L1 stopped at.
+
+// Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
 template <class Cfg>
-__device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                                        const GroupedGemmParams& p,
-                                                        const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
-                                                        typename Cfg::Mainloop::State& producer_st,
-                                                        typename Cfg::Mainloop::State& consumer_st) {
+__device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                                    const GroupedGemmParams& p,
+                                                    const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
+                                                    typename Cfg::Mainloop::State& st,
+                                                    const uint32_t* ready = nullptr, uint32_t target = 0) {
+  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
+  typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
+                                  typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
+  producer.st = st;
+  producer.run(ready, target);
+  st = producer.st;
+}
+
+// Where a math role stopped: ok, or the stage and tile whose bounded wait expired.
+struct MathTilesResult {
+  bool ok = true;
+  uint32_t stage = 0, phase = 0;
+  int tile = 0;
+};
+
+// Every thread of the math warpgroup `wg` (0 or 1), at the math budget. `done` (optional, the
+// fused kernel's L1): after a tile's epilogue stored its rows, the warpgroup adds 1 to
+// done[tile.row0 / BLOCK_M] with a gpu-scope release, so an m-block is complete at
+// kMathWarpgroups x n_tiles. Why no trap in here: see sm90_grouped_gemm_tiles.
+template <class Cfg>
+__device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
+                                                           const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
+                                                           typename Cfg::Mainloop::State& st, int wg,
+                                                           uint32_t* done = nullptr) {
   using Mainloop = typename Cfg::Mainloop;
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
-  if (threadIdx.x / 128 == kProducerWarpgroup) {
-    ptx::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0) {
-      typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
-                                      typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
-      producer.st = producer_st;
-      producer.run();
-      producer_st = producer.st;
-    }
-    // Why: the producer lane diverged from its warp; setmaxnreg and the callers' barriers are
-    // aligned (whole warp).
-    __syncwarp();
-    ptx::setmaxnreg_inc<kEntryRegs>();
-    return;
-  }
-  ptx::setmaxnreg_inc<kMathRegs>();
-
-  const int wg = threadIdx.x / 128 - 1;  // math warpgroup index: rows [64 wg, 64 wg + 64) of the tile
   const int num_k_blocks = p.k / Cfg::kBlockK;
   typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
-  typename Mainloop::State& st = consumer_st;
   scheduler::GemmTile tile;
   float acc[128];
-  bool timed_out = false;
   while (sched.next(tile)) {
     const float* b_scale[2] = {nullptr, nullptr};
     if constexpr (Cfg::kFp8) {
@@ -123,20 +126,50 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
         if (nb < n_blocks128) b_scale[h] = p.b_scale + (tile.expert * n_blocks128 + nb) * num_k_blocks;
       }
     }
-    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg)) {
-      timed_out = true;
-      break;
-    }
+    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg))
+      return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kSwiGLU) {
       Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
     } else {
       Sm90EpilogueStoreBf16::run(acc, p, tile, wg);
     }
+    if (done) {
+      // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
+      // warpgroup's barrier, then one cumulative release.
+      ptx::fence_proxy_async_global();
+      ptx::named_barrier_sync(kMathBarrierBase + uint32_t(wg), 128);
+      if (threadIdx.x % 128 == 0) ptx::red_add_release_gpu_u32(done + tile.row0 / kBlockM, 1);
+    }
   }
+  return MathTilesResult{};
+}
+
+// The persistent tile loop of one grouped GEMM: every thread of the block calls it, at the entry
+// register budget (kEntryRegs), and gets it back on return.
+// Inside, each role runs at its own budget (setmaxnreg). Why inside the role branches and not
+// around the call: code after a merge of a 40-register and a 232-register path is allocated for
+// the smaller budget, so ptxas drops both setmaxnreg (C7507) and the math code spills.
+// The producer, done with its loads, waits in setmaxnreg.inc until the math warpgroups gave
+// their registers back after their last epilogue. Nothing else synchronises the block.
+// Why the timeout report after the math loop: a trap inside the 232-register region makes ptxas
+// allocate that whole region for the entry budget of 168 (measured: 58 spilled accumulator slots).
+template <class Cfg>
+__device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                                        const GroupedGemmParams& p,
+                                                        const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem) {
+  typename Cfg::Mainloop::State st{};
+  if (threadIdx.x / 128 == kProducerWarpgroup) {
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) sm90_producer_tiles<Cfg>(tmap_a, tmap_b, p, pipe, smem, st);
+    // Why: the producer lane diverged from its warp; setmaxnreg is aligned (whole warp).
+    __syncwarp();
+    ptx::setmaxnreg_inc<kEntryRegs>();
+    return;
+  }
+  ptx::setmaxnreg_inc<kMathRegs>();
+  const MathTilesResult r = sm90_math_tiles<Cfg>(p, pipe, smem, st, threadIdx.x / 128 - 1);
   ptx::setmaxnreg_dec<kEntryRegs>();
-  // Why the report after the loop: a trap inside the 232-register region makes ptxas allocate that
-  // whole region for the entry budget of 168 (measured: 58 spilled accumulator slots).
-  if (timed_out) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, st.index, st.phase, sched.next_linear);
+  if (!r.ok) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
 }
 
 template <class Cfg>
@@ -151,8 +184,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const typename Mainloop::Pipe pipe{bars, bars + Cfg::kStages};
   if (threadIdx.x == 0) pipe.init(kMathWarpgroups * 4);  // one arrive per math warp
   __syncthreads();
-  typename Mainloop::State producer_st{}, consumer_st{};
-  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, p, pipe, smem, producer_st, consumer_st);
+  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, p, pipe, smem);
 }
 
 }  // namespace epmoe::gemm

@@ -99,10 +99,22 @@ struct CommLocalLayout {
   // [R] int32: T_s of the last dispatch, per source.
   EPMOE_HD int64_t recv_tokens_bytes() const { return int64_t(s.num_ranks) * 4; }
 
+  // [pool m-blocks] u32: the fused kernel's L1 -> L2 readiness counter per 128-row block of the
+  // expert pool (docs/MEGAKERNEL.md). Zero between calls: the kernel resets what it used.
+  // Sized for the layer's pool (row_align 128): max_rows / 128 of ExpertPoolLayout.
+  static constexpr int kReadyBlockRows = 128;
+  EPMOE_HD int64_t mblock_ready_count() const {
+    const int64_t rows = int64_t(s.num_ranks) * s.max_tokens * s.topk +
+                         int64_t(s.experts_per_rank()) * (kReadyBlockRows - 1);
+    return (rows + kReadyBlockRows - 1) / kReadyBlockRows;
+  }
+  EPMOE_HD int64_t mblock_ready_bytes() const { return mblock_ready_count() * 4; }
+
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
   EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
   EPMOE_HD int64_t recv_tokens_offset() const { return next(token_rows_offset(), token_rows_bytes()); }
-  EPMOE_HD int64_t num_bytes() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
+  EPMOE_HD int64_t mblock_ready_offset() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }

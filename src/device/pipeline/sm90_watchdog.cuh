@@ -15,7 +15,8 @@
 
 namespace epmoe::pipeline {
 
-enum class WaitSite : uint32_t { kNone = 0, kProducerEmpty = 1, kConsumerFull = 2 };
+// kProducerReady: the fused kernel's producer waiting for an L1 m-block that L2 reads.
+enum class WaitSite : uint32_t { kNone = 0, kProducerEmpty = 1, kConsumerFull = 2, kProducerReady = 3 };
 
 struct TimeoutRecord {
   uint32_t site;  // WaitSite
@@ -42,7 +43,7 @@ __device__ __forceinline__ void report_timeout(WaitSite site, uint32_t stage, ui
   printf("epmoe gemm: timeout: block %d thread %d waited > %llu ns on the %s barrier of stage %u (parity %u), "
          "linear tile %d\n",
          blockIdx.x, threadIdx.x, (unsigned long long)kWaitTimeoutNs,
-         site == WaitSite::kProducerEmpty ? "empty" : "full", stage, parity, tile);
+         site == WaitSite::kProducerEmpty ? "empty" : site == WaitSite::kConsumerFull ? "full" : "m-block ready", stage, parity, tile);
 #endif
   ptx::trap();
 }

@@ -26,6 +26,18 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
   return v;
 }
 
+// Cross-block readiness counters (the fused kernel's pool m-blocks): a gpu-scope acquire load and
+// a gpu-scope release add. The release is cumulative: writes that happen before it (the whole
+// warpgroup's, through a named barrier) are visible to whoever acquires the new value.
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_add_release_gpu_u32(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Two fp32 -> two e4m3 in one 16-bit word (lo = first), round to nearest even, saturating.
 __device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2(float lo, float hi) {
   uint16_t r;

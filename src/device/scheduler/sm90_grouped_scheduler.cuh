@@ -23,6 +23,7 @@ template <int kBlockM, int kGroupN>
 struct GroupedTileScheduler {
   static_assert(kBlockM % 64 == 0, "BLOCK_M must be a multiple of the wgmma M of one warpgroup");
   static_assert(kGroupN >= 1, "the N raster group holds at least one tile");
+  static constexpr int kTileM = kBlockM;
 
   const int* count;
   const int* offset;
