@@ -22,8 +22,18 @@ struct Sm90Bf16Mainloop {
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, uint8_t* smem, int num_k_blocks,
-                             const float* const (&)[2], int wg) {
+                             const float* const (&)[2], int wg, bool idle) {
     const int lane = threadIdx.x % 32;
+    if (idle) {
+      // None of this warpgroup's rows is valid: release every stage without wgmma (see the FP8
+      // mainloop).
+      for (int kb = 0; kb < num_k_blocks; ++kb) {
+        if (!pipe.consumer_wait(st)) return false;
+        if (lane == 0) pipe.consumer_release(st);
+        ++st;
+      }
+      return true;
+    }
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     ptx::fence_operands(acc);

@@ -28,14 +28,18 @@ struct Sm90Fp8Mainloop {
   using Pipe = pipeline::TmaPipeline<kStages>;
   using State = pipeline::PipelineState<kStages>;
 
+  // idle: none of this warpgroup's 64 rows is valid (a tile of <= 64 tokens, common in decode):
+  // take and release every stage without issuing wgmma, which leaves the tensor pipe to the
+  // other warpgroup. acc is not written; the epilogue stores no row of it.
   // b_scale[h]: the weight scales of N half h, one float per K block; nullptr when the half lies
   // past N (it is still computed, its result is unused).
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, uint8_t* smem, int num_k_blocks,
-                             const float* const (&b_scale)[2], int wg) {
+                             const float* const (&b_scale)[2], int wg, bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
+    if (idle) return pass_through(pipe, st, num_k_blocks, lane);
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;  // this thread's first row in the tile
     float tmp[64];
 #pragma unroll
@@ -79,6 +83,15 @@ struct Sm90Fp8Mainloop {
           acc[64 * h + 4 * i + 3] += tmp[4 * i + 3] * s1;
         }
       }
+      ++st;
+    }
+    return true;
+  }
+
+  __device__ static bool pass_through(const Pipe& pipe, State& st, int num_k_blocks, int lane) {
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      if (!pipe.consumer_wait(st)) return false;
+      if (lane == 0) pipe.consumer_release(st);
       ++st;
     }
     return true;

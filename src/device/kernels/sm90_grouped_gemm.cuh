@@ -126,7 +126,10 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
         if (nb < n_blocks128) b_scale[h] = p.b_scale + (tile.expert * n_blocks128 + nb) * num_k_blocks;
       }
     }
-    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg))
+    // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
+    // rows would take tensor time from the first one's.
+    const bool idle = wg * kWarpgroupM >= tile.rows_valid;
+    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg, idle))
       return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kSwiGLU) {
       Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
