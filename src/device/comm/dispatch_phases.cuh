@@ -25,8 +25,18 @@ __host__ __device__ __forceinline__ int dispatch_smem_ints(const layout::CommSha
 
 namespace dispatch_detail {
 
-template <bool kFp8, int kWarps>
-__device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem) {
+// The default for dispatch_phases' after_layout hook: nothing.
+struct NoLayoutHook {
+  template <class CountOf>
+  __device__ void operator()(const CountOf&) const {}
+};
+
+// after_layout(count_of): called by thread 0 of every block once the expert segments are laid out
+// and before the pull, with count_of(e) = rows this call brings to local expert e (from the
+// block's own smem, so it needs no grid-wide ordering). The fused kernel prefetches weights there.
+template <bool kFp8, int kWarps, class AfterLayout = NoLayoutHook>
+__device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
+                                                const AfterLayout& after_layout = AfterLayout{}) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
@@ -113,6 +123,12 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
       reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[r] = 0.f;
       reinterpret_cast<uint32_t*>(p.pool + pl.row_source_offset())[r] = kInvalidRowSource;
     }
+  }
+
+  if (threadIdx.x == 0) {
+    const int32_t* last_counts = counts + (R - 1) * sym.counts_stride();
+    const int* last_base = base + (R - 1) * E_loc;
+    after_layout([&](int e) { return last_base[e] + last_counts[e] - seg[e]; });
   }
 
   // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the

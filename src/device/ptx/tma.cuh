@@ -27,6 +27,14 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+// Asks for the box at (c0, c1) to be brought into L2, with no smem destination and no completion
+// to wait for (a hint: it may be dropped).
+__device__ __forceinline__ void tma_prefetch_2d_l2(const CUtensorMap* map, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // Contiguous global -> smem copy; bytes, src and dst must be multiples of 16.
 __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes,
                                               uint64_t* bar) {

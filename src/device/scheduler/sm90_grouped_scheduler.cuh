@@ -39,6 +39,19 @@ struct GroupedTileScheduler {
   __device__ GroupedTileScheduler(const int* count_, const int* offset_, int num_groups_, int n_tiles_)
       : count(count_), offset(offset_), num_groups(num_groups_), n_tiles(n_tiles_) {}
 
+  // Tile `local` of an expert with m_blocks x n_tiles tiles -> (m_block, n_block).
+  // Raster: tiles walk N fastest within a group of kGroupN N-blocks, then M. Blocks running at the
+  // same time share a few weight N-blocks and activation M-blocks, which stay in L2.
+  __device__ __forceinline__ static void locate(int local, int m_blocks, int n_tiles, int& m_block, int& n_block) {
+    const int group_span = m_blocks * kGroupN;
+    const int group = local / group_span;
+    const int first_n = group * kGroupN;
+    const int width = min(kGroupN, n_tiles - first_n);
+    const int within = local - group * group_span;
+    n_block = first_n + within % width;
+    m_block = within / width;
+  }
+
   __device__ __forceinline__ bool next(GemmTile& t) {
     next_linear = next_linear < 0 ? int(blockIdx.x) : next_linear + int(gridDim.x);
     // Why a walk and not a prefix array: a block's tile index only grows, so the walk is
@@ -49,17 +62,8 @@ struct GroupedTileScheduler {
       expert_m_blocks = (ptx::ld_cg_s32(count + expert) + kBlockM - 1) / kBlockM;
       expert_tiles = expert_m_blocks * n_tiles;
     }
-    // Raster: tiles walk N fastest within a group of kGroupN N-blocks, then M. Blocks running
-    // at the same time share a few weight N-blocks and activation M-blocks, which stay in L2.
-    const int local = next_linear - expert_first;
-    const int group_span = expert_m_blocks * kGroupN;
-    const int group = local / group_span;
-    const int first_n = group * kGroupN;
-    const int width = min(kGroupN, n_tiles - first_n);
-    const int within = local - group * group_span;
     t.expert = expert;
-    t.n_block = first_n + within % width;
-    t.m_block = within / width;
+    locate(next_linear - expert_first, expert_m_blocks, n_tiles, t.m_block, t.n_block);
     const int cnt = ptx::ld_cg_s32(count + expert);
     t.row0 = ptx::ld_cg_s32(offset + expert) + t.m_block * kBlockM;
     t.rows_valid = min(kBlockM, cnt - t.m_block * kBlockM);
