@@ -74,6 +74,11 @@ struct FusedMoeConfig {
   static_assert(kDispatchScratchBytes <= int(Layout::b_offset(0)), "dispatch scratch must fit in the A tiles");
 };
 
+// Named barrier on which the math warpgroups (arrive, 256 threads) release the producer
+// warpgroup (sync, 128) once they gave their registers back; 1 and 2 are the math warpgroups'
+// (gemm::kMathBarrierBase).
+inline constexpr uint32_t kRolesDoneBarrier = 3;
+
 // L1 then L2 as one tile sequence per block, without a grid barrier between them: the producer
 // starts an L2 tile once every L1 tile of its pool m-block is stored (ready[m] counts the math
 // warpgroups' releases, kMathWarpgroups per L1 tile), so the L1 tail of some blocks overlaps the
@@ -106,6 +111,10 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
       gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target);
     }
     __syncwarp();
+    // Why the named barrier first: setmaxnreg.inc retries in a loop (USETMAXREG.TRY_ALLOC +
+    // branch) until the math warpgroups gave their registers back; spinning there through the
+    // whole GEMM would take issue slots from the math warps. bar.sync waits without issuing.
+    ptx::named_barrier_sync(kRolesDoneBarrier, gemm::kNumThreads);
     ptx::setmaxnreg_inc<gemm::kEntryRegs>();
     return;
   }
@@ -116,6 +125,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, smem, st, wg);
   if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL2Done);
   ptx::setmaxnreg_dec<gemm::kEntryRegs>();
+  ptx::named_barrier_arrive(kRolesDoneBarrier, gemm::kNumThreads);
   if (!r.ok) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
 }
 

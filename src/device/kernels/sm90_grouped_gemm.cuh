@@ -147,13 +147,14 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   return MathTilesResult{};
 }
 
-// The persistent tile loop of one grouped GEMM: every thread of the block calls it, at the entry
-// register budget (kEntryRegs), and gets it back on return.
-// Inside, each role runs at its own budget (setmaxnreg). Why inside the role branches and not
-// around the call: code after a merge of a 40-register and a 232-register path is allocated for
-// the smaller budget, so ptxas drops both setmaxnreg (C7507) and the math code spills.
-// The producer, done with its loads, waits in setmaxnreg.inc until the math warpgroups gave
-// their registers back after their last epilogue. Nothing else synchronises the block.
+// The persistent tile loop of the standalone grouped GEMM kernel: every thread of the block calls
+// it, at the entry register budget (kEntryRegs), as the kernel's last step.
+// Each role runs at its own budget (setmaxnreg). Why inside the role branches and not around the
+// call: code after a merge of a 40-register and a 232-register path is allocated for the smaller
+// budget, so ptxas drops both setmaxnreg (C7507) and the math code spills.
+// Why the producer warpgroup exits instead of taking its registers back: setmaxnreg.inc is a
+// retry loop (USETMAXREG.TRY_ALLOC + branch), and three warps spinning in it for the whole GEMM
+// take issue slots from the math warps on every SM sub-partition.
 // Why the timeout report after the math loop: a trap inside the 232-register region makes ptxas
 // allocate that whole region for the entry budget of 168 (measured: 58 spilled accumulator slots).
 template <class Cfg>
@@ -164,15 +165,14 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
   if (threadIdx.x / 128 == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) sm90_producer_tiles<Cfg>(tmap_a, tmap_b, p, pipe, smem, st);
-    // Why: the producer lane diverged from its warp; setmaxnreg is aligned (whole warp).
-    __syncwarp();
-    ptx::setmaxnreg_inc<kEntryRegs>();
     return;
   }
   ptx::setmaxnreg_inc<kMathRegs>();
   const MathTilesResult r = sm90_math_tiles<Cfg>(p, pipe, smem, st, threadIdx.x / 128 - 1);
-  ptx::setmaxnreg_dec<kEntryRegs>();
-  if (!r.ok) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
+  if (!r.ok) {
+    ptx::setmaxnreg_dec<kEntryRegs>();
+    pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
+  }
 }
 
 template <class Cfg>
