@@ -196,57 +196,95 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     const double act_bytes = rows * (2.0 * H * elem + 2.0 * I * elem + 4.0 * H) + 4.0 * T * H;
     const double floor_us = std::max(flops / (peak * 1e12), (weight_bytes + act_bytes) / (o.hbm_gbs * 1e9)) * 1e6;
 
-    std::vector<double> path_median;
+    // Why interleaved: the paths are timed call by call in turn (A, B, A, B, ...), not one after the
+    // other. Measured: under sustained load the GPUs' clocks drop (power cap, 1.98 -> ~1.7 GHz), and
+    // whichever path was timed second at 4096 tokens showed a slow tail (p90 +25%) and a median
+    // 3-15% worse, whichever path it was.
+    struct PathRun {
+      std::string name;
+      Path path;
+      bool supported = true;
+      std::string why;
+      std::vector<cudaGraphExec_t> graphs;
+      std::vector<double> us;
+    };
+    std::vector<PathRun> runs;
     for (const std::string& path_name : o.paths) {
-      const Path path = path_name == "fused" ? Path::kFused : Path::kPipeline;
-      Status probe = layer->forward(xs[0], idxs[0], wts[0], ys[0], T, stream, path);
+      PathRun pr;
+      pr.name = path_name;
+      pr.path = path_name == "fused" ? Path::kFused : Path::kPipeline;
+      Status probe = layer->forward(xs[0], idxs[0], wts[0], ys[0], T, stream, pr.path);
       if (probe.code() == StatusCode::kUnsupported) {
-        out << "  rank " << me << "  " << path_name << "  T=" << T << "  n/a: " << probe.message() << "\n";
-        path_median.push_back(0);
+        pr.supported = false;
+        pr.why = probe.message();
+        runs.push_back(std::move(pr));
         continue;
       }
       EPMOE_RETURN_IF_ERROR(probe);
-      std::vector<cudaGraphExec_t> graphs(sets, nullptr);
+      pr.graphs.assign(sets, nullptr);
       if (o.graph) {
         for (int s = 0; s < sets; ++s) {
           cudaGraph_t g;
           EPMOE_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          Status st = layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, path);
+          Status st = layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, pr.path);
           cudaError_t e = cudaStreamEndCapture(stream, &g);
           EPMOE_RETURN_IF_ERROR(st);
           EPMOE_CUDA_RETURN(e);
-          EPMOE_CUDA_RETURN(cudaGraphInstantiate(&graphs[s], g, 0));
+          EPMOE_CUDA_RETURN(cudaGraphInstantiate(&pr.graphs[s], g, 0));
           cudaGraphDestroy(g);
         }
       }
-      auto launch = [&](int it) -> Status {
-        const int s = it % sets;
-        if (o.graph) {
-          EPMOE_CUDA_RETURN(cudaGraphLaunch(graphs[s], stream));
-          return Status::Ok();
-        }
-        return layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, path);
-      };
-      for (int it = 0; it < o.warmup; ++it) EPMOE_RETURN_IF_ERROR(launch(it));
-      std::vector<cudaEvent_t> ev(2 * o.iters);
-      for (auto& e : ev) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
-      EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
-      for (int it = 0; it < o.iters; ++it) {
-        EPMOE_CUDA_RETURN(cudaEventRecord(ev[2 * it], stream));
-        EPMOE_RETURN_IF_ERROR(launch(it));
-        EPMOE_CUDA_RETURN(cudaEventRecord(ev[2 * it + 1], stream));
+      runs.push_back(std::move(pr));
+    }
+    auto launch = [&](const PathRun& pr, int it) -> Status {
+      const int s = it % sets;
+      if (o.graph) {
+        EPMOE_CUDA_RETURN(cudaGraphLaunch(pr.graphs[s], stream));
+        return Status::Ok();
       }
-      EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
-      EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
-      std::vector<double> us(o.iters);
+      return layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, pr.path);
+    };
+    for (int it = 0; it < o.warmup; ++it)
+      for (const PathRun& pr : runs)
+        if (pr.supported) EPMOE_RETURN_IF_ERROR(launch(pr, it));
+    const int n_paths = int(runs.size());
+    std::vector<cudaEvent_t> ev(size_t(2) * o.iters * n_paths);
+    for (auto& e : ev) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
+    EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
+    for (int it = 0; it < o.iters; ++it)
+      for (int k = 0; k < n_paths; ++k) {
+        if (!runs[k].supported) continue;
+        const size_t i = (size_t(it) * n_paths + k) * 2;
+        EPMOE_CUDA_RETURN(cudaEventRecord(ev[i], stream));
+        EPMOE_RETURN_IF_ERROR(launch(runs[k], it));
+        EPMOE_CUDA_RETURN(cudaEventRecord(ev[i + 1], stream));
+      }
+    EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+    EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
+    for (int k = 0; k < n_paths; ++k) {
+      if (!runs[k].supported) continue;
+      runs[k].us.resize(o.iters);
       for (int it = 0; it < o.iters; ++it) {
+        const size_t i = (size_t(it) * n_paths + k) * 2;
         float ms = 0;
-        EPMOE_CUDA_RETURN(cudaEventElapsedTime(&ms, ev[2 * it], ev[2 * it + 1]));
-        us[it] = ms * 1e3;
+        EPMOE_CUDA_RETURN(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        runs[k].us[it] = ms * 1e3;
       }
-      for (auto& e : ev) cudaEventDestroy(e);
-      for (auto g : graphs) if (g) cudaGraphExecDestroy(g);
-      const Stats st = stats_of(us);
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    for (auto& pr : runs)
+      for (auto g : pr.graphs) if (g) cudaGraphExecDestroy(g);
+
+    std::vector<double> path_median;
+    for (const PathRun& pr : runs) {
+      const std::string& path_name = pr.name;
+      const Path path = pr.path;
+      if (!pr.supported) {
+        out << "  rank " << me << "  " << path_name << "  T=" << T << "  n/a: " << pr.why << "\n";
+        path_median.push_back(0);
+        continue;
+      }
+      const Stats st = stats_of(pr.us);
       path_median.push_back(st.median);
 
       // Per-stage split, from a separate timed pass without graphs: stream events between the
