@@ -392,6 +392,11 @@ comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void
 
 bool DispatchAccess::never_arrive(const DispatchHandle& h) { return h.impl_->never_arrive; }
 
+bool DispatchAccess::timeout_recorded(const DispatchHandle& h) {
+  const volatile comm::CommTimeoutRecord* r = h.impl_->timeout_record;
+  return r && r->valid;
+}
+
 void DispatchAccess::set_last_tokens(DispatchHandle& h, int64_t num_tokens) { h.impl_->last_tokens = num_tokens; }
 
 }  // namespace detail

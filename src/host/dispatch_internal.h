@@ -21,6 +21,9 @@ struct DispatchAccess {
   static comm::CombineParams combine_params(const DispatchHandle& h, void* y);
   // EPMOE_DEBUG_NEVER_ARRIVE names this rank: launch nothing (the fused path must honour it too).
   static bool never_arrive(const DispatchHandle& h);
+  // Whether a bounded device wait of this handle's kernels has written its timeout record (mapped
+  // host memory: readable without a sync, also after the trap killed the context).
+  static bool timeout_recorded(const DispatchHandle& h);
   // The token count that a later combine() is checked against. The fused path dispatches without
   // dispatch(), so it records its own call here (-1: no dispatch this combine could pair with).
   static void set_last_tokens(DispatchHandle& h, int64_t num_tokens);

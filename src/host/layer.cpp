@@ -154,6 +154,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       // Debug injection (EPMOE_DEBUG_NEVER_ARRIVE): this rank launches nothing, so its peers' bounded
       // waits expire and report. Returns Ok, as a rank that silently fell behind would.
       detail::DispatchAccess::set_last_tokens(*dispatch_, num_tokens);
+      last_path_ = Path::kPipeline;  // no phase stamps were written: report the (empty) events
       for (int i = 1; i <= 4; ++i) record(i, stream);
       return Status::Ok();
     }
@@ -215,8 +216,10 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // A launch can fail because an earlier kernel of this call already trapped (a bounded wait for a
   // peer expired: the CUDA error is sticky). Then the timeout record says which wait, and that is
   // the error to return, not the launch's generic "unspecified launch failure".
+  // Why the record first: check_errors synchronizes (which would break a stream capture) and
+  // consumes the status word; only a written record makes it worth calling.
   Status explain_cuda_error(const Status& st, cudaStream_t stream) {
-    if (st.code() != StatusCode::kCudaError) return st;
+    if (st.code() != StatusCode::kCudaError || !detail::DispatchAccess::timeout_recorded(*dispatch_)) return st;
     Status device = dispatch_->check_errors(stream);
     return device.code() == StatusCode::kTimeout ? device : st;
   }

@@ -31,9 +31,10 @@ struct NoLayoutHook {
   __device__ void operator()(const CountOf&) const {}
 };
 
-// after_layout(count_of): called by thread 0 of every block once the expert segments are laid out
-// and before the pull, with count_of(e) = rows this call brings to local expert e (from the
-// block's own smem, so it needs no grid-wide ordering). The fused kernel prefetches weights there.
+// after_layout(segment_rows): called by thread 0 of every block once the expert segments are laid
+// out and before the pull, with segment_rows(e) = the rows of local expert e's segment this call
+// (its row count rounded up to row_align), read from the block's own smem: no global loads, no
+// grid-wide ordering. The fused kernel prefetches weights there.
 template <bool kFp8, int kWarps, class AfterLayout = NoLayoutHook>
 __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
                                                 const AfterLayout& after_layout = AfterLayout{}) {
@@ -125,11 +126,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     }
   }
 
-  if (threadIdx.x == 0) {
-    const int32_t* last_counts = counts + (R - 1) * sym.counts_stride();
-    const int* last_base = base + (R - 1) * E_loc;
-    after_layout([&](int e) { return last_base[e] + last_counts[e] - seg[e]; });
-  }
+  if (threadIdx.x == 0) after_layout([&](int e) { return seg[e + 1] - seg[e]; });
 
   // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the
   // local copies overlap, and slices keep a small call's latency chain short.

@@ -56,6 +56,9 @@ struct Sm90TmaProducer {
     const uint64_t start = ptx::globaltimer_ns();
     while (int32_t(ptx::ld_acquire_gpu_u32(w) - target) < 0) {
       if (ptx::globaltimer_ns() - start > pipeline::kWaitTimeoutNs) return false;
+      // Why: this thread shares its SM sub-partition with math warps, and up to a grid of
+      // producers polls counters that the math warpgroups' releases also hit.
+      ptx::nanosleep(64);
     }
     return true;
   }

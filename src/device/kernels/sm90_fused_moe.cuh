@@ -124,6 +124,9 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL1Done);
   if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, smem, st, wg);
   if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL2Done);
+  // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
+  // L1 tiles (decode) has had no other barrier since its inc.
+  ptx::named_barrier_sync(gemm::kMathBarrierBase + uint32_t(wg), 128);
   ptx::setmaxnreg_dec<gemm::kEntryRegs>();
   ptx::named_barrier_arrive(kRolesDoneBarrier, gemm::kNumThreads);
   if (!r.ok) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
@@ -160,12 +163,14 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // Dispatch: tokens from every source into this rank's expert pool. Once the expert segments
   // are known, each block asks L2 for the first K blocks of its first L1 weight tile, so HBM
   // streams weights while the pull moves tokens (decode is weight-bound; the pull is not).
-  const auto prefetch_first_weights = [&](const auto& count_of) {
+  const auto prefetch_first_weights = [&](const auto& segment_rows) {
     using Sched = typename Cfg::L1::Scheduler;
     const int n_tiles = (p.l1.n + gemm::kBlockN - 1) / gemm::kBlockN;
     int local = int(blockIdx.x);
     for (int e = 0; e < p.l1.num_groups; ++e) {
-      const int m_blocks = (count_of(e) + gemm::kBlockM - 1) / gemm::kBlockM;
+      // Exact: the layer's pool aligns segments to 128 rows, so a segment holds ceil(count / 128)
+      // m-blocks.
+      const int m_blocks = (segment_rows(e) + gemm::kBlockM - 1) / gemm::kBlockM;
       if (local >= m_blocks * n_tiles) {
         local -= m_blocks * n_tiles;
         continue;
@@ -194,7 +199,10 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.
   {
     const int used_rows = ptx::ld_cg_s32(p.l1.expert_offset + p.l1.num_groups);
-    const int used = (used_rows + layout::CommLocalLayout::kReadyBlockRows - 1) / layout::CommLocalLayout::kReadyBlockRows;
+    // Why the clamp: counts from peers that disagree with this pool must not make us write past
+    // the counters (the dispatch drops such rows and reports them).
+    const int used = min(int(loc.mblock_ready_count()),
+                         (used_rows + layout::CommLocalLayout::kReadyBlockRows - 1) / layout::CommLocalLayout::kReadyBlockRows);
     for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < used; i += int(gridDim.x * blockDim.x))
       ready[i] = 0;
   }

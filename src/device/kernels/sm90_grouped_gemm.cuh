@@ -131,10 +131,14 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
     if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg, idle))
       return MathTilesResult{false, st.index, st.phase, sched.next_linear};
-    if constexpr (Cfg::kSwiGLU) {
-      Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
-    } else {
-      Sm90EpilogueStoreBf16::run(acc, p, tile, wg);
+    // An idle warpgroup has no row to store (and acc was not computed); the readiness signal
+    // below still counts it.
+    if (!idle) {
+      if constexpr (Cfg::kSwiGLU) {
+        Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
+      } else {
+        Sm90EpilogueStoreBf16::run(acc, p, tile, wg);
+      }
     }
     if (done) {
       // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
