@@ -1,6 +1,6 @@
 // The phases of the combine (docs/COMM.md), as one device function that any cooperatively
 // launched kernel of kWarps warps per block can call: the standalone combine kernel
-// (sm90_combine.cu, 16 warps) and the fused megakernel (sm90_fused_moe.cuh, 8 warps).
+// (sm90_combine.cu, 16 warps) and the fused megakernel (sm90_fused_moe.cuh, 12 warps).
 //   0  wait until every source finished reading the partials we pushed last call (epoch - 1)
 //   A  partial sums -> source ranks' symmetric buffers; last block flags combine_ready
 //   B  wait for every expert rank's partials; y[t] = bf16(sum over ranks with a valid slot)
