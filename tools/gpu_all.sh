@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full]   (quick skips the long benchmarks)
+# Usage: bash tools/gpu_all.sh [quick|full|profile]   (quick skips the long benchmarks; profile
+# runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
+# shape, (8, 4096, 4096, 7168))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -36,6 +38,21 @@ save() {
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$out/nvidia-smi.log" 2>&1
 step gpu_check 120 "$bin/epmoe-gpu-check"
+if [ "$mode" = profile ]; then
+  # The L2 (plain-epilogue) FP8 kernel, then the L1 one, each at the first shape of --quick (the
+  # bench runs 3 warm-up + 5 timed calls per kernel and shape with --iters 1).
+  ncu_bin=$(command -v ncu || true)
+  for kernel in E0 E1; do
+    step "ncu_fp8_$kernel" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
+      -k "regex:ILb1ELNS0_12Sm90Epilogue${kernel}E" -c 1 --launch-skip 3 --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --print-details all "$bin/epmoe-bench" gemm --quick --dtype fp8 --iters 1
+  done
+  echo "==== summary ($mode) ===="
+  printf '%s\n' "${summary[@]}"
+  save
+  exit 0
+fi
 step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
 step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
 # The fused path's suite first and fail-fast: a broken megakernel costs one bounded wait, not one
