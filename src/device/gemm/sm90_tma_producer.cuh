@@ -52,9 +52,9 @@ struct Sm90TmaProducer {
   __device__ static bool wait_ready(const uint32_t* w, uint32_t target) {
     // Why a signed difference: the counters restart from 0 every call, but this stays right
     // even if they were ever allowed to wrap.
-    if (int32_t(ptx::ld_acquire_gpu_u32(w) - target) >= 0) return true;
+    if (int32_t(ptx::ld_acquire_gpu(w) - target) >= 0) return true;
     const uint64_t start = ptx::globaltimer_ns();
-    while (int32_t(ptx::ld_acquire_gpu_u32(w) - target) < 0) {
+    while (int32_t(ptx::ld_acquire_gpu(w) - target) < 0) {
       if (ptx::globaltimer_ns() - start > pipeline::kWaitTimeoutNs) return false;
       // Why: this thread shares its SM sub-partition with math warps, and up to a grid of
       // producers polls counters that the math warpgroups' releases also hit.

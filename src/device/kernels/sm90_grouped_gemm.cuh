@@ -145,7 +145,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       // warpgroup's barrier, then one cumulative release.
       ptx::fence_proxy_async_global();
       ptx::named_barrier_sync(kMathBarrierBase + uint32_t(wg), 128);
-      if (threadIdx.x % 128 == 0) ptx::red_add_release_gpu_u32(done + tile.row0 / kBlockM, 1);
+      if (threadIdx.x % 128 == 0) ptx::red_add_release_gpu(done + tile.row0 / kBlockM, 1);
     }
   }
   return MathTilesResult{};

@@ -26,15 +26,15 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
   return v;
 }
 
-// Cross-block readiness counters (the fused kernel's pool m-blocks): a gpu-scope acquire load and
-// a gpu-scope release add. The release is cumulative: writes that happen before it (the whole
+// Cross-block counters (comm flags, the fused kernel's pool m-blocks): a gpu-scope acquire load
+// and a gpu-scope release add. The release is cumulative: writes that happen before it (the whole
 // warpgroup's, through a named barrier) are visible to whoever acquires the new value.
-__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* p) {
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void red_add_release_gpu_u32(uint32_t* p, uint32_t v) {
+__device__ __forceinline__ void red_add_release_gpu(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
