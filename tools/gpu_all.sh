@@ -40,13 +40,22 @@ nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=
 step gpu_check 120 "$bin/epmoe-gpu-check"
 if [ "$mode" = profile ]; then
   # The L2 (plain-epilogue) FP8 kernel, then the L1 one, each at the first shape of --quick (the
-  # bench runs 3 warm-up + 5 timed calls per kernel and shape with --iters 1).
+  # bench runs 3 warm-up + 5 timed calls per kernel and shape with --iters 1): the sections as
+  # text, and the per-instruction stall samples (SourceCounters) as a CSV of the SASS.
   ncu_bin=$(command -v ncu || true)
   for kernel in E0 E1; do
     step "ncu_fp8_$kernel" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
       -k "regex:ILb1ELNS0_12Sm90Epilogue${kernel}E" -c 1 --launch-skip 3 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-      --section SchedulerStats --print-details all "$bin/epmoe-bench" gemm --quick --dtype fp8 --iters 1
+      --section SchedulerStats --section SourceCounters --import-source no -o "$out/ncu_fp8_$kernel" \
+      "$bin/epmoe-bench" gemm --quick --dtype fp8 --iters 1
+    if [ -f "$out/ncu_fp8_$kernel.ncu-rep" ]; then
+      "$ncu_bin" --import "$out/ncu_fp8_$kernel.ncu-rep" --print-details all >"$out/ncu_fp8_$kernel.txt" 2>&1
+      "$ncu_bin" --import "$out/ncu_fp8_$kernel.ncu-rep" --page source --print-source sass --csv \
+        >"$out/ncu_fp8_${kernel}_sass.csv" 2>&1
+      rm -f "$out/ncu_fp8_$kernel.ncu-rep"
+      save
+    fi
   done
   echo "==== summary ($mode) ===="
   printf '%s\n' "${summary[@]}"

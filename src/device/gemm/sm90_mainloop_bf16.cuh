@@ -6,6 +6,7 @@
 
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_smem_desc.cuh"
+#include "device/gemm/sm90_smem_layout.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
 #include "device/ptx/wgmma.cuh"
 
@@ -40,20 +41,27 @@ struct Sm90Bf16Mainloop {
 
     // Why a one-behind release: wait_group<1> lets block kb's wgmmas run while this warp
     // already waits for stage kb+1; stage kb-1 is then known to be read and goes back.
+    // 32-bit shared-window addresses computed once (see the FP8 mainloop).
+    // smem is the aligned dynamic smem base (see dyn_smem_base_s).
+    const uint32_t smem_s = dyn_smem_base_s();
+    (void)smem;
+    const uint32_t a_lo0 = smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + wg * kWarpgroupM * Layout::kRowBytes);
+    const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
+    static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
+    static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");
     State prev = st;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       if (!pipe.consumer_wait(st)) {
         ptx::wgmma_wait_group_sync_aligned<0>();
         return false;
       }
-      const uint64_t da =
-          smem_desc_kmajor_sw128(smem + Layout::a_offset(st.index) + wg * kWarpgroupM * Layout::kRowBytes);
-      const uint64_t db = smem_desc_kmajor_sw128(smem + Layout::b_offset(st.index));
+      const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
+      const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
       ptx::wgmma_fence_sync_aligned();
 #pragma unroll
       for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-        ptx::wgmma_m64n256k16_f32_bf16_bf16(acc, smem_desc_advance_k(da, k * kWgmmaK * 2),
-                                            smem_desc_advance_k(db, k * kWgmmaK * 2), 1u);
+        ptx::wgmma_m64n256k16_f32_bf16_bf16(acc, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK * 2 / 16)),
+                                            smem_desc_from_lo(b_lo + uint32_t(k * kWgmmaK * 2 / 16)), 1u);
       ptx::wgmma_commit_group_sync_aligned();
       ptx::wgmma_wait_group_sync_aligned<1>();
       if (kb > 0) {

@@ -13,6 +13,7 @@
 
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_smem_desc.cuh"
+#include "device/gemm/sm90_smem_layout.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
 #include "device/ptx/ld_st.cuh"
 #include "device/ptx/wgmma.cuh"
@@ -41,30 +42,44 @@ struct Sm90Fp8Mainloop {
     const int lane = threadIdx.x % 32;
     if (idle) return pass_through(pipe, st, num_k_blocks, lane);
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;  // this thread's first row in the tile
+    // Why 32-bit shared-window addresses computed once: with generic pointers the loop converted
+    // them on every K block (S2R of the shared window base, 64-bit math) on the path between the
+    // wgmma batches; ncu put that overhead next to the wgmma waits. Stage s adds constants.
+    // smem is the aligned dynamic smem base (see dyn_smem_base_s).
+    const uint32_t smem_s = dyn_smem_base_s();
+    (void)smem;
+    const uint32_t a_lo0 = smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + wg * kWarpgroupM * Layout::kRowBytes);
+    const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
+    const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
+    static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
+    static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");
+    static_assert(Layout::sa_offset(1) - Layout::sa_offset(0) == Layout::kScaleA, "scale stages are contiguous");
+    // A half past N (L2 with N an odd multiple of 128) is computed from the first half's scales;
+    // its result is never stored.
+    const float* const sp0 = b_scale[0];
+    const float* const sp1 = b_scale[1] != nullptr ? b_scale[1] : b_scale[0];
     float tmp[64];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       // Why before the wait: the scale loads' latency hides behind the barrier wait.
-      const float sb0 = b_scale[0] != nullptr ? ptx::ld_nc_f32(b_scale[0] + kb) : 0.0f;
-      const float sb1 = b_scale[1] != nullptr ? ptx::ld_nc_f32(b_scale[1] + kb) : 0.0f;
+      const float sb0 = ptx::ld_nc_f32(sp0 + kb);
+      const float sb1 = ptx::ld_nc_f32(sp1 + kb);
       if (!pipe.consumer_wait(st)) return false;
-      const float* sa = reinterpret_cast<const float*>(smem + Layout::sa_offset(st.index));
-      const float sa0 = sa[r0];
-      const float sa1 = sa[r0 + 8];
-      const uint64_t da =
-          smem_desc_kmajor_sw128(smem + Layout::a_offset(st.index) + wg * kWarpgroupM * Layout::kRowBytes);
+      const float sa_lo = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA);
+      const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
+      const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
+      const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint64_t db =
-            smem_desc_kmajor_sw128(smem + Layout::b_offset(st.index) + h * kHalfN * Layout::kRowBytes);
+        const uint32_t bh_lo = b_lo + uint32_t(h) * ((kHalfN * Layout::kRowBytes) >> 4);
         ptx::fence_operands(tmp);
         ptx::wgmma_fence_sync_aligned();
 #pragma unroll
         for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-          ptx::wgmma_m64n128k32_f32_e4m3_e4m3(tmp, smem_desc_advance_k(da, k * kWgmmaK),
-                                              smem_desc_advance_k(db, k * kWgmmaK), k > 0 ? 1u : 0u);
+          ptx::wgmma_m64n128k32_f32_e4m3_e4m3(tmp, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
+                                              smem_desc_from_lo(bh_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
         ptx::wgmma_commit_group_sync_aligned();
         ptx::wgmma_wait_group_sync_aligned<0>();
         ptx::fence_operands(tmp);
@@ -73,8 +88,8 @@ struct Sm90Fp8Mainloop {
         if (h == 1 && lane == 0) pipe.consumer_release(st);
 
         const float sb = h == 0 ? sb0 : sb1;
-        const float s0 = sa0 * sb;
-        const float s1 = sa1 * sb;
+        const float s0 = sa_lo * sb;
+        const float s1 = sa_hi * sb;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           acc[64 * h + 4 * i + 0] += tmp[4 * i + 0] * s0;

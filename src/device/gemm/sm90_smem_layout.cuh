@@ -8,6 +8,16 @@
 
 namespace epmoe::gemm {
 
+// The 1024-byte aligned start of dynamic smem, as a 32-bit shared-window address. Every kernel
+// here places the stage ring there (smem = dynamic smem rounded up to 1024 bytes). Why from the
+// extern symbol: its shared address is a link-time constant, so ptxas can rematerialize this value
+// with an immediate move instead of rebuilding a generic pointer from special registers (S2R of
+// the shared window base) in the middle of a register-bound loop.
+__device__ __forceinline__ uint32_t dyn_smem_base_s() {
+  extern __shared__ uint8_t epmoe_dynamic_smem[];  // all unsized extern smem arrays share one start
+  return (static_cast<uint32_t>(__cvta_generic_to_shared(epmoe_dynamic_smem)) + 1023u) & ~1023u;
+}
+
 template <bool kFp8, int kStages>
 struct Sm90SmemLayout {
   static constexpr uint32_t kRowBytes = 128;  // one swizzle span of K per row

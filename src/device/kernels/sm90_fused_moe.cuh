@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
-  const typename Mainloop::Pipe pipe{bars, bars + Cfg::L1::kStages};
+  const typename Mainloop::Pipe pipe = Mainloop::Pipe::at(bars, gemm::dyn_smem_base_s() + Layout::kBarOffset);
   if (threadIdx.x == 0) pipe.init(gemm::kMathWarpgroups * 4);  // one arrive per math warp
   __syncthreads();
 

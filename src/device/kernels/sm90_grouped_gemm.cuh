@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
-  const typename Mainloop::Pipe pipe{bars, bars + Cfg::kStages};
+  const typename Mainloop::Pipe pipe = Mainloop::Pipe::at(bars, dyn_smem_base_s() + Layout::kBarOffset);
   if (threadIdx.x == 0) pipe.init(kMathWarpgroups * 4);  // one arrive per math warp
   __syncthreads();
   sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, p, pipe, smem);

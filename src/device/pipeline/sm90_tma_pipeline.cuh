@@ -25,12 +25,30 @@ __device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
   }
   return true;
 }
+// The same on a 32-bit shared-window address.
+__device__ __forceinline__ bool mbarrier_wait_bounded_s(uint32_t bar, uint32_t parity) {
+  if (ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) return true;
+  const uint64_t start = ptx::globaltimer_ns();
+  while (!ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) {
+    if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
+  }
+  return true;
+}
 
 template <int kStages>
 struct TmaPipeline {
   using State = PipelineState<kStages>;
   uint64_t* full;   // [kStages]
   uint64_t* empty;  // [kStages]
+  uint32_t full_s;   // shared-window addresses of full[0] and empty[0] (the consumer side uses
+  uint32_t empty_s;  // these: no generic-to-shared conversion in the math loop)
+
+  // The ring whose 2 x kStages barriers start at `bars` (full, then empty); bars_s is the same
+  // address in the shared window. Why passed in: callers derive it from a link-time constant
+  // (dyn_smem_base_s), which ptxas rematerializes cheaply, unlike a conversion of `bars`.
+  __device__ __forceinline__ static TmaPipeline at(uint64_t* bars, uint32_t bars_s) {
+    return TmaPipeline{bars, bars + kStages, bars_s, bars_s + uint32_t(kStages) * 8u};
+  }
 
   // One thread, before the CTA-wide barrier that precedes any use.
   __device__ void init(uint32_t consumer_arrivals) const {
@@ -51,11 +69,11 @@ struct TmaPipeline {
 
   // Returns false on timeout (see sm90_watchdog.cuh).
   __device__ __forceinline__ bool consumer_wait(const State& st) const {
-    return mbarrier_wait_bounded(&full[st.index], st.phase);
+    return mbarrier_wait_bounded_s(full_s + st.index * 8u, st.phase);
   }
   // Called by one lane of each consumer warp once the warp's reads of the stage are complete.
   __device__ __forceinline__ void consumer_release(const State& st) const {
-    ptx::mbarrier_arrive_release_cta(&empty[st.index]);
+    ptx::mbarrier_arrive_release_cta_s(empty_s + st.index * 8u);
   }
 };
 

@@ -6,6 +6,13 @@
 namespace epmoe::ptx {
 
 // Read-only for the kernel's lifetime and never written by it (the weights' block scales).
+// 32-bit shared-window load. Volatile: it must stay after the mbarrier wait that publishes the data.
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ float ld_nc_f32(const float* p) {
   float v;
   asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));

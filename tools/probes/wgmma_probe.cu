@@ -1,0 +1,350 @@
+// Probe: how much of the FP8 tensor rate each math-warpgroup structure can reach, with the
+// operands already in shared memory (no TMA, no barriers, no global traffic). It isolates the
+// mainloop's own cost (wgmma issue, drains, fp32 promotion) from the memory feed.
+//
+// Build (here): nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
+//   -o wgmma_probe tools/probes/wgmma_probe.cu
+// Run (GPU): ./wgmma_probe [k_blocks]
+//
+// Variants (2 math warpgroups of 64 rows each unless said; FLOPs counted for what is computed):
+//   0 halves     : 64x256 per warpgroup as two N halves of 128, each 4 x m64n128k32 -> scratch,
+//                  wait 0, promote (the current epmoe mainloop)
+//   1 halves 1wg : variant 0 with one math warpgroup
+//   2 n128 dbuf  : 64x128 per warpgroup, two scratches, wait 1: the next K block's wgmma runs
+//                  while the previous one is promoted
+//   3 dbuf 1wg   : variant 2 with one math warpgroup
+//   4 n192 1drain: 64x192 per warpgroup, 4 x m64n192k32 -> scratch, wait 0, promote (one drain
+//                  per K block)
+//   5 n256 nopromo: 4 x m64n256k32 straight into the accumulator, wait 0 per K block (bound)
+//   6 halves+skew: variant 0, the second warpgroup starts half a K block late
+//   7 n128 1drain: 64x128 per warpgroup, one scratch, wait 0, promote
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "tools/probes/wgmma_probe_ops.cuh"
+
+namespace probe {
+
+constexpr int kStages = 4;
+constexpr int kABytes = 128 * 128;  // 128 rows x 128 e4m3
+constexpr int kBBytes = 256 * 128;
+constexpr int kStageBytes = kABytes + kBBytes + 512;
+constexpr int kSmem = kStages * kStageBytes + 1024;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint64_t desc(const void* tile) {
+  const uint64_t a = smem_u32(tile);
+  return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void promote(float* acc, const float (&t)[N], float s0, float s1) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    acc[4 * i + 0] += t[4 * i + 0] * s0;
+    acc[4 * i + 1] += t[4 * i + 1] * s0;
+    acc[4 * i + 2] += t[4 * i + 2] * s1;
+    acc[4 * i + 3] += t[4 * i + 3] * s1;
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out, long long* cycles) {
+  extern __shared__ uint8_t raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  // Small finite e4m3 codes (no NaN encodings), scales near 1.
+  for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
+    const uint32_t b = (i * 2654435761u) >> 8;
+    reinterpret_cast<uint32_t*>(smem)[i] = b & 0x2F2F2F2Fu;
+  }
+  __syncthreads();
+  for (int s = 0; s < kStages; ++s) {
+    float* sa = reinterpret_cast<float*>(smem + s * kStageBytes + kABytes + kBBytes);
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) sa[i] = 1.0f + 1e-3f * i;
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int mw = wg - 1;
+  constexpr bool kOneWg = V == 1 || V == 3;
+  if (kOneWg && mw == 1) return;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int r0 = mw * 64 + warp * 16 + lane / 4;
+  const float sb = 0.5f;
+  float result = 0.0f;
+  long long t0 = 0;
+  if (V == 6 && mw == 1) {
+    const long long w = clock64();
+    while (clock64() - w < 300) {
+    }
+  }
+  t0 = clock64();
+
+  if constexpr (V == 0 || V == 1 || V == 6) {
+    float acc[128], tmp[64];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = kb % kStages;
+      uint8_t* st = smem + s * kStageBytes;
+      const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes);
+      const float s0 = sa[r0] * sb, s1 = sa[r0 + 8] * sb;
+      const uint64_t da = desc(st + mw * 64 * 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint64_t db = desc(st + kABytes + h * 128 * 128);
+        fence_regs(tmp);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(tmp);
+        promote<64>(acc + 64 * h, tmp, s0, s1);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 128; ++i) result += acc[i];
+  } else if constexpr (V == 2 || V == 3) {
+    float acc[64], t0r[64], t1r[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    // Why a runtime zero: with a constant scale-d of 0, ptxas treats the scratch as dead between
+    // its promotion and the next batch, renames registers across the loop and serializes wgmma.
+    const uint32_t first_scale_d = static_cast<uint32_t>(k_blocks) >> 31;
+    auto issue = [&](float (&t)[64], int kb) {
+      uint8_t* st = smem + (kb % kStages) * kStageBytes;
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + kABytes);
+      fence_regs(t);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(t, da + 2 * k, db + 2 * k, k > 0 ? 1u : first_scale_d);
+      wg_commit();
+    };
+    auto scales = [&](int kb, float& s0, float& s1) {
+      const float* sa = reinterpret_cast<const float*>(smem + (kb % kStages) * kStageBytes + kABytes + kBBytes);
+      s0 = sa[r0] * sb;
+      s1 = sa[r0 + 8] * sb;
+    };
+    // Why chunks of 4 K blocks that end drained: ptxas (13.0) tracks partial waits only in
+    // straight-line code; a wgmma group still in flight at a loop back edge whose sibling
+    // scratch is read in the loop makes it serialize every wgmma (C7514).
+    for (int kb = 0; kb < k_blocks; kb += 4) {  // k_blocks a multiple of 4
+      float s0, s1;
+      issue(t0r, kb);
+      issue(t1r, kb + 1);
+      scales(kb, s0, s1);
+      wg_wait<1>();
+      fence_regs(t0r);
+      promote<64>(acc, t0r, s0, s1);
+      issue(t0r, kb + 2);
+      scales(kb + 1, s0, s1);
+      wg_wait<1>();
+      fence_regs(t1r);
+      promote<64>(acc, t1r, s0, s1);
+      issue(t1r, kb + 3);
+      scales(kb + 2, s0, s1);
+      wg_wait<1>();
+      fence_regs(t0r);
+      promote<64>(acc, t0r, s0, s1);
+      scales(kb + 3, s0, s1);
+      wg_wait<0>();
+      fence_regs(t1r);
+      promote<64>(acc, t1r, s0, s1);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) result += acc[i];
+  } else if constexpr (V == 4) {
+    float acc[96], tmp[96];
+#pragma unroll
+    for (int i = 0; i < 96; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      uint8_t* st = smem + (kb % kStages) * kStageBytes;
+      const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes);
+      const float s0 = sa[r0] * sb, s1 = sa[r0 + 8] * sb;
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + kABytes);
+      fence_regs(tmp);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_m64n192k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(tmp);
+      promote<96>(acc, tmp, s0, s1);
+    }
+#pragma unroll
+    for (int i = 0; i < 96; ++i) result += acc[i];
+  } else if constexpr (V == 5) {
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      uint8_t* st = smem + (kb % kStages) * kStageBytes;
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + kABytes);
+      fence_regs(acc);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_m64n256k32_e4m3(acc, da + 2 * k, db + 2 * k, 1);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(acc);
+    }
+#pragma unroll
+    for (int i = 0; i < 128; ++i) result += acc[i];
+  } else if constexpr (V == 8) {
+    // 64x256 per warpgroup as four N quarters of 64, two quarter scratches: quarter q+1's wgmma
+    // runs while quarter q is promoted; drained once per K block.
+    float acc[128], qa[32], qb[32];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    const uint32_t zero = static_cast<uint32_t>(k_blocks) >> 31;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      uint8_t* st = smem + (kb % kStages) * kStageBytes;
+      const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes);
+      const float s0 = sa[r0] * sb, s1 = sa[r0 + 8] * sb;
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + kABytes);
+      auto issue = [&](float (&t)[32], int q) {
+        fence_regs(t);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n64k32_e4m3(t, da + 2 * k, db + q * 64 * 128 / 16 + 2 * k, k > 0 ? 1u : zero);
+        wg_commit();
+      };
+      issue(qa, 0);
+      issue(qb, 1);
+      wg_wait<1>();
+      fence_regs(qa);
+      promote<32>(acc + 0, qa, s0, s1);
+      issue(qa, 2);
+      wg_wait<1>();
+      fence_regs(qb);
+      promote<32>(acc + 32, qb, s0, s1);
+      issue(qb, 3);
+      wg_wait<1>();
+      fence_regs(qa);
+      promote<32>(acc + 64, qa, s0, s1);
+      wg_wait<0>();
+      fence_regs(qb);
+      promote<32>(acc + 96, qb, s0, s1);
+    }
+#pragma unroll
+    for (int i = 0; i < 128; ++i) result += acc[i];
+  } else if constexpr (V == 7) {
+    float acc[64], tmp[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      uint8_t* st = smem + (kb % kStages) * kStageBytes;
+      const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes);
+      const float s0 = sa[r0] * sb, s1 = sa[r0 + 8] * sb;
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + kABytes);
+      fence_regs(tmp);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(tmp);
+      promote<64>(acc, tmp, s0, s1);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) result += acc[i];
+  }
+  const long long t1 = clock64();
+  out[blockIdx.x * 384 + threadIdx.x] = result;
+  if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + mw] = t1 - t0;
+}
+
+// FLOPs per K block of one math warpgroup.
+constexpr double flops_per_kb(int v) {
+  return v == 2 || v == 3 || v == 7 ? 2.0 * 64 * 128 * 128 : v == 4 ? 2.0 * 64 * 192 * 128 : 2.0 * 64 * 256 * 128;
+}
+
+#define CK(x)                                                                                     \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+template <int V>
+void run_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles) {
+  CK(cudaFuncSetAttribute(probe_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles);  // warm-up
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  float best = 1e30f;
+  for (int rep = 0; rep < 5; ++rep) {
+    CK(cudaEventRecord(a));
+    probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles);
+    CK(cudaGetLastError());
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    if (ms < best) best = ms;
+  }
+  long long host_cycles[2 * 132] = {};
+  CK(cudaMemcpy(host_cycles, cycles, sizeof(long long) * 2 * sms, cudaMemcpyDeviceToHost));
+  long long cmax = 0;
+  for (int i = 0; i < 2 * sms; ++i) cmax = host_cycles[i] > cmax ? host_cycles[i] : cmax;
+  const int wgs = (V == 1 || V == 3) ? 1 : 2;
+  const double flops = flops_per_kb(V) * k_blocks * wgs * sms;
+  const double ghz = cmax / (best * 1e6);
+  // Per SM per clock: dense e4m3 peak is 8192 FLOP/clk (4 tensor cores x 2048).
+  const double per_clk = flops / sms / cmax;
+  std::printf("%d %-14s %8.3f ms %8.1f TFLOP/s  %6.0f FLOP/clk/SM  %5.1f%% of 8192  (~%.2f GHz)\n", V, name, best,
+              flops / best / 1e9, per_clk, 100.0 * per_clk / 8192, ghz);
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+}
+
+}  // namespace probe
+
+int main(int argc, char** argv) {
+  using namespace probe;
+  const int k_blocks = argc > 1 ? std::atoi(argv[1]) : 4000;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (sms > 132) sms = 132;
+  float* out;
+  long long* cycles;
+  CK(cudaMalloc(&out, sizeof(float) * 384 * sms));
+  CK(cudaMalloc(&cycles, sizeof(long long) * 2 * sms));
+  std::printf("wgmma probe: %d SMs, %d K blocks of 128 per warpgroup, operands in smem\n", sms, k_blocks);
+  run_variant<5>("n256 nopromo", k_blocks, sms, out, cycles);
+  run_variant<0>("halves", k_blocks, sms, out, cycles);
+  run_variant<1>("halves 1wg", k_blocks, sms, out, cycles);
+  run_variant<6>("halves+skew", k_blocks, sms, out, cycles);
+  run_variant<7>("n128 1drain", k_blocks, sms, out, cycles);
+  run_variant<2>("n128 dbuf", k_blocks, sms, out, cycles);
+  run_variant<3>("n128 dbuf 1wg", k_blocks, sms, out, cycles);
+  run_variant<4>("n192 1drain", k_blocks, sms, out, cycles);
+  run_variant<8>("n64 quarters", k_blocks, sms, out, cycles);
+  return 0;
+}
