@@ -72,6 +72,7 @@ struct Options {
   int iters = 50, warmup = 10, sets = 4;
   bool graph = true, json = false;
   double peak_tflops = 0, hbm_gbs = 4200;
+  PartialPrecision partials = PartialPrecision::kFloat32;
 };
 
 // What one rank receives and sends for one routing draw (host-side count, exact).
@@ -117,6 +118,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   cfg.topk = o.shape.topk;
   cfg.max_tokens_per_rank = t_max;
   cfg.dtype = o.dtype;
+  cfg.combine_partials = o.partials;
   std::unique_ptr<MoELayer> layer;
   EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
   cudaStream_t stream;
@@ -191,7 +193,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     // Dispatch: one payload row (+ scales) per token and remote destination; combine: one fp32
     // partial row per token and remote expert rank (docs/COMM.md).
     const double row_bytes = double(H) * elem + (fp8 ? H / 128 * 4 : 0);
-    const double nvlink = (double(avg.tokens_in) * row_bytes + double(avg.partials_out) * H * 4) / sets;
+    const double nvlink = (double(avg.tokens_in) * row_bytes + double(avg.partials_out) * H * (o.partials == PartialPrecision::kFloat32 ? 4 : 2)) / sets;
     const double weight_bytes = active * 3.0 * H * I * elem;
     const double act_bytes = rows * (2.0 * H * elem + 2.0 * I * elem + 4.0 * H) + 4.0 * T * H;
     const double floor_us = std::max(flops / (peak * 1e12), (weight_bytes + act_bytes) / (o.hbm_gbs * 1e9)) * 1e6;
@@ -349,7 +351,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
 int run_layer(const std::vector<std::string>& args) {
   Flags f(args);
   const auto unknown = f.unknown({"ranks", "shape", "dtype", "tokens", "routing", "path", "iters", "warmup",
-                                  "sets", "graph", "json", "peak-tflops", "hbm-gbs", "timeout"});
+                                  "sets", "graph", "json", "peak-tflops", "hbm-gbs", "timeout", "partials"});
   if (!unknown.empty()) {
     std::fprintf(stderr, "epmoe-bench layer: unknown flag --%s\n", unknown[0].c_str());
     return 2;
@@ -365,6 +367,12 @@ int run_layer(const std::vector<std::string>& args) {
     return 2;
   }
   o.dtype = dt == "fp8" ? DType::kFP8 : DType::kBF16;
+  const std::string partials = f.str("partials", "fp32");
+  if (partials != "fp32" && partials != "bf16") {
+    std::fprintf(stderr, "epmoe-bench layer: --partials must be fp32 or bf16\n");
+    return 2;
+  }
+  o.partials = partials == "fp32" ? PartialPrecision::kFloat32 : PartialPrecision::kBFloat16;
   if (!routing_by_name(f.str("routing", "uniform"), &o.routing)) {
     std::fprintf(stderr, "epmoe-bench layer: unknown --routing (uniform, zipf, one_expert, one_rank, masked, duplicate_ranks)\n");
     return 2;
@@ -395,10 +403,11 @@ int run_layer(const std::vector<std::string>& args) {
     return gpus == 0 ? 0 : 1;
   }
   if (!o.json) {
-    std::printf("epmoe-bench layer: shape %s (E/rank %d, H %d, I %d, K %d), %s, routing %s, %d ranks, %s, iters %d\n",
+    std::printf("epmoe-bench layer: shape %s (E/rank %d, H %d, I %d, K %d), %s, routing %s, %s combine partials, "
+                "%d ranks, %s, iters %d\n",
                 o.shape.name.c_str(), o.shape.experts_per_rank, o.shape.hidden, o.shape.inter, o.shape.topk,
-                dt.c_str(), ref::routing_name(o.routing), ranks, o.graph ? "CUDA graphs" : "direct launches",
-                o.iters);
+                dt.c_str(), ref::routing_name(o.routing), partials.c_str(), ranks,
+                o.graph ? "CUDA graphs" : "direct launches", o.iters);
     std::printf("  floor = max(FLOPs / %.0f TFLOP/s, HBM bytes / %.0f GB/s); NVLink MB = payload into+out of the rank\n",
                 o.peak_tflops > 0 ? o.peak_tflops : (o.dtype == DType::kFP8 ? 1360.0 : 790.0), o.hbm_gbs);
     std::printf("  rank  path      tokens  median_us    p10_us    p90_us  TFLOP/s       rows NVLink_MB  floor_us  /floor  stages\n");
@@ -419,6 +428,6 @@ int run_layer(const std::vector<std::string>& args) {
 
 }  // namespace
 
-EPMOE_BENCH_COMMAND("layer", "the whole MoE layer per rank: --shape dsv3|qwen3|top2 --dtype fp8|bf16 --tokens 1,128,4096 --path pipeline,fused", run_layer);
+EPMOE_BENCH_COMMAND("layer", "the whole MoE layer per rank: --shape dsv3|qwen3|top2 --dtype fp8|bf16 --tokens 1,128,4096 --path pipeline,fused --partials fp32|bf16", run_layer);
 
 }  // namespace epmoe::bench

@@ -57,6 +57,7 @@ typedef struct epmoe_layer_config {
   int32_t dtype;             ///< EPMOE_DTYPE_*
   float activation_clamp;    ///< <= 0 disables the clamp
   int32_t pow2_scales;       ///< nonzero: round FP8 activation scales up to a power of two
+  int32_t combine_partials;  ///< EPMOE_PARTIALS_* (0 = fp32, the default)
 } epmoe_layer_config;
 
 /// Precision of combine's partial sums (epmoe::PartialPrecision).

@@ -13,6 +13,15 @@ enum class DType {
   kBF16,  ///< bf16 activations and weights.
 };
 
+/// Precision of the per-(token, expert rank) partial sums that combine sends back: each expert
+/// rank first adds the outputs of a token's experts that it holds (in fp32), then sends that one
+/// partial to the token's rank, which adds the partials in fp32 and writes y in bf16.
+enum class PartialPrecision {
+  kFloat32,   ///< fp32 partials: y differs from the SPEC summation only by fp32 reassociation.
+  kBFloat16,  ///< bf16 partials: half the NVLink bytes of combine, one extra bf16 rounding of each
+              ///< partial (relative 2^-9), within SPEC's accuracy bound.
+};
+
 /// Which implementation a forward call runs. Both compute the same function.
 enum class Path {
   kPipeline,  ///< dispatch -> L1 + SwiGLU -> L2 -> combine, a chain of kernels.
@@ -30,6 +39,8 @@ struct LayerConfig {
   DType dtype = DType::kFP8;
   float activation_clamp = 0.f;  ///< c; <= 0 disables the clamp. Must be finite.
   bool pow2_scales = false;      ///< Round FP8 activation scales up to a power of two.
+  /// Combine's partial sums: fp32 (default) or bf16 (half the combine bytes over NVLink).
+  PartialPrecision combine_partials = PartialPrecision::kFloat32;
   /// Bound of every device-side wait for a peer, in seconds, (0, 3600]. A wait that expires records
   /// who waited on what (MoELayer::check_device_error returns it as kTimeout) and traps: the CUDA
   /// context is lost, so this is a last resort against hangs, and it must exceed the longest time

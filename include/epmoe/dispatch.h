@@ -16,12 +16,6 @@ namespace detail {
 struct DispatchAccess;  // internal: the fused layer path reads the kernels' parameters
 }  // namespace detail
 
-/// Precision of the per-(token, expert rank) partial sums that combine sends back.
-enum class PartialPrecision {
-  kFloat32,   ///< fp32 partials: y differs from the SPEC summation only by fp32 reassociation.
-  kBFloat16,  ///< bf16 partials: half the NVLink bytes, one extra bf16 rounding per expert rank.
-};
-
 /// Shapes and options of a DispatchHandle, identical on every rank.
 struct DispatchConfig {
   int num_experts = 0;          ///< E in total; E % R == 0, rank r owns [r*E/R, (r+1)*E/R).

@@ -36,6 +36,7 @@ class LayerConfigC(ctypes.Structure):
         ("dtype", c_int32),
         ("activation_clamp", c_float),
         ("pow2_scales", c_int32),
+        ("combine_partials", c_int32),
     ]
 
 

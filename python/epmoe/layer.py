@@ -32,6 +32,7 @@ class LayerConfig:
     dtype: str = "fp8"
     activation_clamp: float | None = None
     pow2_scales: bool = False
+    combine_partials: str = "fp32"  # "fp32" or "bf16": precision of combine's partial sums
 
     @property
     def experts_per_rank(self) -> int:
@@ -48,6 +49,8 @@ class LayerConfig:
         if not isinstance(self.pow2_scales, bool):
             raise InvalidArgument(f"pow2_scales must be a bool, got {self.pow2_scales!r}")
         c.pow2_scales = int(self.pow2_scales)
+        c.combine_partials = choice_arg("combine_partials", self.combine_partials,
+                                        {"fp32": _lib.PARTIALS_FP32, "bf16": _lib.PARTIALS_BF16})
         return c
 
     def validate(self) -> "LayerConfig":

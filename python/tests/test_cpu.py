@@ -63,6 +63,7 @@ def test_good_config_validates():
                                    "w2": (4, 256, 384), "w2_scale": (4, 2, 3)}
     bf16 = epmoe.LayerConfig(**GOOD, dtype="bf16", activation_clamp=7.0).validate()
     assert bf16.weight_shapes()["w1_scale"] is None
+    epmoe.LayerConfig(**GOOD, combine_partials="bf16").validate()
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -87,6 +88,7 @@ def test_bad_config_carries_library_message(field, value, message):
     ("max_tokens_per_rank", 2**40, "max_tokens_per_rank=1099511627776 does not fit in a 32-bit int"),
     ("dtype", "fp16", "dtype='fp16' must be one of 'fp8', 'bf16'"),
     ("activation_clamp", float("nan"), "activation_clamp=nan must be finite"),
+    ("combine_partials", "fp16", "combine_partials='fp16' must be one of 'fp32', 'bf16'"),
 ])
 def test_bad_config_types_checked_in_python(field, value, message):
     with pytest.raises(epmoe.InvalidArgument, match=None) as e:

@@ -126,6 +126,11 @@ Status to_config(const epmoe_layer_config* c, epmoe::LayerConfig* out) {
   out->dtype = static_cast<epmoe::DType>(c->dtype);
   out->activation_clamp = c->activation_clamp;
   out->pow2_scales = c->pow2_scales != 0;
+  if (c->combine_partials != EPMOE_PARTIALS_FP32 && c->combine_partials != EPMOE_PARTIALS_BF16)
+    return invalid("combine_partials=", c->combine_partials,
+                   " must be EPMOE_PARTIALS_FP32 (0) or EPMOE_PARTIALS_BF16 (1)");
+  out->combine_partials = c->combine_partials == EPMOE_PARTIALS_BF16 ? epmoe::PartialPrecision::kBFloat16
+                                                                      : epmoe::PartialPrecision::kFloat32;
   return Status::Ok();
 }
 
@@ -139,6 +144,8 @@ void from_config(const epmoe::LayerConfig& c, epmoe_layer_config* out) {
   out->dtype = static_cast<int32_t>(c.dtype);
   out->activation_clamp = c.activation_clamp;
   out->pow2_scales = c.pow2_scales ? 1 : 0;
+  out->combine_partials = c.combine_partials == epmoe::PartialPrecision::kBFloat16 ? EPMOE_PARTIALS_BF16
+                                                                                     : EPMOE_PARTIALS_FP32;
 }
 
 Status check_device_index(int device) {

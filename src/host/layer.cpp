@@ -52,6 +52,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     dc.intermediate = cfg_.intermediate;
     dc.dtype = cfg_.dtype;
     dc.pow2_scales = cfg_.pow2_scales;
+    dc.combine_partials = cfg_.combine_partials;
     dc.timeout_seconds = cfg_.timeout_seconds;
     // Why local allocations first: destroying a DispatchHandle is collective, so a rank that
     // fails after creating one would leave its peers waiting in their destructors.

@@ -32,6 +32,9 @@ Status validate(const LayerConfig& c) {
                    Limits::kMaxTokensPerRank, "]");
   if (c.dtype != DType::kFP8 && c.dtype != DType::kBF16)
     return invalid("dtype=", static_cast<int>(c.dtype), " is not a supported dtype (kFP8, kBF16)");
+  if (c.combine_partials != PartialPrecision::kFloat32 && c.combine_partials != PartialPrecision::kBFloat16)
+    return invalid("combine_partials=", static_cast<int>(c.combine_partials),
+                   " is not a supported precision (kFloat32, kBFloat16)");
   if (!std::isfinite(c.activation_clamp))
     return invalid("activation_clamp=", c.activation_clamp, " must be finite (<= 0 disables it)");
   if (!(c.timeout_seconds > 0 && c.timeout_seconds <= 3600))

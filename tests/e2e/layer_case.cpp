@@ -181,6 +181,7 @@ std::string LayerCase::describe() const {
   if (clamp > 0) os << "/clamp=" << clamp;
   if (pow2_scales) os << "/pow2";
   if (duplicate_experts) os << "/dup_experts";
+  if (bf16_partials) os << "/bf16_partials";
   if (path == Path::kFused) os << "/fused";
   return os.str();
 }
@@ -193,7 +194,9 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
   std::unique_ptr<Communicator> comm;
   EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, rank, R, &comm));
   std::unique_ptr<MoELayer> layer;
-  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, make_config(p), &layer));
+  LayerConfig cfg = make_config(p);
+  if (c.bf16_partials) cfg.combine_partials = PartialPrecision::kBFloat16;
+  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 

@@ -34,6 +34,7 @@ struct LayerCase {
   float clamp = 0.f;
   bool pow2_scales = false;
   bool duplicate_experts = false;  // every third token names its slot-0 expert again in slot 1
+  bool bf16_partials = false;      // LayerConfig::combine_partials = kBFloat16
   Path path = Path::kPipeline;
   // With path = kFused, on every checked call also: the pipeline on the same inputs must give a
   // bitwise identical y, and a second fused call must too (determinism).

@@ -96,6 +96,20 @@ E2E_CASE(ClampAndPow2Scales, kBothPaths, 240, {
   return c;
 })
 
+// bf16 combine partials: the DSV3 slice (K = 8: about four experts of a token on each rank, whose
+// outputs are added before the one bf16 rounding) in both dtypes, against SPEC's bounds.
+E2E_CASE(Dsv3Fp8Bf16Partials, kBothPaths, 240, {
+  LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {384, 512});
+  c.sample_per_rank = 12;
+  c.bf16_partials = true;
+  return c;
+})
+E2E_CASE(Qwen3Bf16Bf16Partials, kBothPaths, 240, {
+  LayerCase c = make(kQwen3, DType::kBF16, Routing::kZipf, {777, 1024});
+  c.bf16_partials = true;
+  return c;
+})
+
 // ---- Repetition and graphs ----------------------------------------------------------------------
 E2E_CASE(ThousandCallsFreshRouting, kBothPaths, 400, {
   LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {96, 64});

@@ -173,3 +173,11 @@ TEST(Status, ToStringCarriesCodeAndMessage) {
 }
 
 }  // namespace
+
+TEST(Validate, CombinePartialsKnownValues) {
+  epmoe::LayerConfig c = good();
+  c.combine_partials = epmoe::PartialPrecision::kBFloat16;
+  EXPECT_TRUE(epmoe::validate(c).ok());
+  c.combine_partials = static_cast<epmoe::PartialPrecision>(7);
+  expect_invalid(c, "combine_partials");
+}
