@@ -30,7 +30,13 @@ struct Sm90SmemLayout {
   static constexpr uint32_t b_offset(uint32_t s) { return kStages * kTileA + s * kTileB; }
   static constexpr uint32_t sa_offset(uint32_t s) { return kStages * (kTileA + kTileB) + s * kScaleA; }
   static constexpr uint32_t kBarOffset = kStages * (kTileA + kTileB + kScaleA);
-  static constexpr uint32_t kBytes = kBarOffset + 2 * kStages * 8;
+  // The plain epilogue's staging tiles, one per math warpgroup: 64 rows x 64 bf16 columns (one
+  // quarter of the warpgroup's 64 x 256 block at a time), 16-byte chunks XOR-swizzled by row % 8.
+  static constexpr uint32_t kEpiRowBytes = 128;
+  static constexpr uint32_t kEpiTileBytes = 64 * kEpiRowBytes;
+  static constexpr uint32_t kEpiOffset = (kBarOffset + 2 * kStages * 8 + 127) / 128 * 128;
+  static constexpr uint32_t epi_offset(uint32_t math_wg) { return kEpiOffset + math_wg * kEpiTileBytes; }
+  static constexpr uint32_t kBytes = kEpiOffset + 2 * kEpiTileBytes;
   // Why + 1024: dynamic smem is only 16-byte aligned; swizzled tiles need 1024.
   static constexpr uint32_t kAllocBytes = kBytes + 1024;
 

@@ -137,7 +137,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       if constexpr (Cfg::kSwiGLU) {
         Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
       } else {
-        Sm90EpilogueStoreBf16::run(acc, p, tile, wg);
+        Sm90EpilogueStoreBf16::run(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
+                                   kMathBarrierBase + uint32_t(wg));
       }
     }
     if (done) {
