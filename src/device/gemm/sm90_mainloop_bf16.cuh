@@ -43,15 +43,21 @@ struct Sm90Bf16Mainloop {
     // already waits for stage kb+1; stage kb-1 is then known to be read and goes back.
     // 32-bit shared-window addresses computed once (see the FP8 mainloop).
     // smem is the aligned dynamic smem base (see dyn_smem_base_s).
-    const uint32_t smem_s = dyn_smem_base_s();
+    uint32_t smem_s = dyn_smem_base_s();
     (void)smem;
-    const uint32_t a_lo0 = smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + wg * kWarpgroupM * Layout::kRowBytes);
-    const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
+    const uint32_t zero = uint32_t(num_k_blocks) >> 31;  // see the FP8 mainloop
     static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
     static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");
     State prev = st;
+    uint32_t bars_s = smem_s + Layout::kBarOffset;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
-      if (!pipe.consumer_wait(st)) {
+      // The loop-carried add keeps the base in a register (see the FP8 mainloop).
+      asm volatile("add.u32 %0, %0, %1;" : "+r"(smem_s) : "r"(zero));
+      bars_s = smem_s + Layout::kBarOffset;
+      const uint32_t a_lo0 =
+          smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
+      const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
+      if (!pipe.consumer_wait(bars_s, st)) {
         ptx::wgmma_wait_group_sync_aligned<0>();
         return false;
       }
@@ -65,7 +71,7 @@ struct Sm90Bf16Mainloop {
       ptx::wgmma_commit_group_sync_aligned();
       ptx::wgmma_wait_group_sync_aligned<1>();
       if (kb > 0) {
-        if (lane == 0) pipe.consumer_release(prev);
+        if (lane == 0) pipe.consumer_release(bars_s, prev);
         ++prev;
       }
       ++st;
@@ -73,7 +79,7 @@ struct Sm90Bf16Mainloop {
     ptx::wgmma_wait_group_sync_aligned<0>();
     ptx::fence_operands(acc);
     if (num_k_blocks > 0) {
-      if (lane == 0) pipe.consumer_release(prev);
+      if (lane == 0) pipe.consumer_release(bars_s, prev);
     }
     return true;
   }

@@ -71,6 +71,14 @@ struct TmaPipeline {
   __device__ __forceinline__ bool consumer_wait(const State& st) const {
     return mbarrier_wait_bounded_s(full_s + st.index * 8u, st.phase);
   }
+  // The same two consumer operations with the barrier block's shared-window address supplied by
+  // the caller (the bars_s given to at()), for loops that keep that address live themselves.
+  __device__ __forceinline__ bool consumer_wait(uint32_t bars_s, const State& st) const {
+    return mbarrier_wait_bounded_s(bars_s + st.index * 8u, st.phase);
+  }
+  __device__ __forceinline__ void consumer_release(uint32_t bars_s, const State& st) const {
+    ptx::mbarrier_arrive_release_cta_s(bars_s + uint32_t(kStages) * 8u + st.index * 8u);
+  }
   // Called by one lane of each consumer warp once the warp's reads of the stage are complete.
   __device__ __forceinline__ void consumer_release(const State& st) const {
     ptx::mbarrier_arrive_release_cta_s(empty_s + st.index * 8u);
