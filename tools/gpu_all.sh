@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|profile]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|profile|ab]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
-# shape, (8, 4096, 4096, 7168))
+# shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
+# tools/stage_ab.sh, alternating in one call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -38,6 +39,27 @@ save() {
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$out/nvidia-smi.log" 2>&1
 step gpu_check 120 "$bin/epmoe-gpu-check"
+if [ "$mode" = ab ]; then
+  # The key benchmarks of this build and of an older one (tools/stage_ab.sh <commit> put it in
+  # $bin/epmoe-bench-old), alternating, two rounds: GEMMs, then the layer (both paths, bf16 and
+  # fp32 combine partials).
+  [ -x "$bin/epmoe-bench-old" ] || { echo "gpu_all.sh ab: no $bin/epmoe-bench-old (run tools/stage_ab.sh <commit> here first)"; exit 2; }
+  for round in 1 2; do
+    for v in new old; do
+      b="$bin/epmoe-bench"; [ "$v" = old ] && b="$bin/epmoe-bench-old"
+      step "ab_gemm_${v}_$round" 150 "$b" gemm
+    done
+    for v in new old; do
+      b="$bin/epmoe-bench"; [ "$v" = old ] && b="$bin/epmoe-bench-old"
+      step "ab_layer_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 1,128,1024,4096,8192 --partials bf16
+      step "ab_layer_fp32p_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 128,4096
+    done
+  done
+  echo "==== summary ($mode) ===="
+  printf '%s\n' "${summary[@]}"
+  save
+  exit 0
+fi
 if [ "$mode" = profile ]; then
   # The L2 (plain-epilogue) FP8 kernel, then the L1 one, each at the first shape of --quick (the
   # bench runs 3 warm-up + 5 timed calls per kernel and shape with --iters 1): the sections as
