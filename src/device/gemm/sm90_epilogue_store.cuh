@@ -7,7 +7,9 @@
 // Why: stored straight from the wgmma fragment, every warp store instruction wrote 8 rows x 16 bytes
 // (half sectors) and the 64 stores per thread kept the LSU busy while the tensor cores idled (ncu:
 // ~6% of the L2 kernel at K = 7168, more at K = 2048). Staged, a thread issues 64 conflict-free
-// 4-byte smem stores, 16 16-byte smem loads and 16 full-line global stores.
+// 4-byte smem stores, 16 16-byte smem loads and 16 16-byte global stores; 8 threads write one
+// 128-byte row segment (a full cache line when the output is 128-byte aligned, as the layer's
+// cudaMalloc'd pool is; the API requires only 16 bytes).
 // Staging layout: row r at r * 128 bytes, its 16-byte chunk c at ((c ^ (r % 8)) * 16): the 8 rows
 // a warp writes per store instruction then fall into 8 different bank groups.
 #pragma once

@@ -41,7 +41,7 @@ struct Sm90Bf16Mainloop {
 
     // Why a one-behind release: wait_group<1> lets block kb's wgmmas run while this warp
     // already waits for stage kb+1; stage kb-1 is then known to be read and goes back.
-    // 32-bit shared-window addresses computed once (see the FP8 mainloop).
+    // 32-bit shared-window addresses from one live base (see the FP8 mainloop).
     // smem is the aligned dynamic smem base (see dyn_smem_base_s).
     uint32_t smem_s = dyn_smem_base_s();
     (void)smem;

@@ -42,9 +42,10 @@ struct Sm90Fp8Mainloop {
     const int lane = threadIdx.x % 32;
     if (idle) return pass_through(pipe, st, num_k_blocks, lane);
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;  // this thread's first row in the tile
-    // Why 32-bit shared-window addresses computed once: with generic pointers the loop converted
-    // them on every K block (S2R of the shared window base, 64-bit math) on the path between the
-    // wgmma batches; ncu put that overhead next to the wgmma waits. Stage s adds constants.
+    // Why 32-bit shared-window addresses from one live base: with generic pointers the loop
+    // converted them on every K block (S2R of the shared window base, 64-bit math) on the path
+    // between the wgmma batches; ncu put that overhead next to the wgmma waits. Each K block
+    // derives the stage's addresses from the base with integer adds.
     // smem is the aligned dynamic smem base (see dyn_smem_base_s), and the ring's barriers sit at
     // Layout::kBarOffset from it (both kernels build `pipe` there).
     uint32_t smem_s = dyn_smem_base_s();

@@ -10,9 +10,10 @@ namespace epmoe::gemm {
 
 // The 1024-byte aligned start of dynamic smem, as a 32-bit shared-window address. Every kernel
 // here places the stage ring there (smem = dynamic smem rounded up to 1024 bytes). Why from the
-// extern symbol: its shared address is a link-time constant, so ptxas can rematerialize this value
-// with an immediate move instead of rebuilding a generic pointer from special registers (S2R of
-// the shared window base) in the middle of a register-bound loop.
+// extern symbol: its shared address is a link-time constant plus this CTA's window bits (one
+// S2UR of the CTA id and an add in SASS), cheaper than rebuilding a generic pointer from the shared
+// window base and converting it back. The K loops still keep the value live themselves (see the
+// FP8 mainloop): rematerialized under register pressure, even that S2UR sat before every wait.
 __device__ __forceinline__ uint32_t dyn_smem_base_s() {
   extern __shared__ uint8_t epmoe_dynamic_smem[];  // all unsized extern smem arrays share one start
   return (static_cast<uint32_t>(__cvta_generic_to_shared(epmoe_dynamic_smem)) + 1023u) & ~1023u;

@@ -44,8 +44,8 @@ struct TmaPipeline {
   uint32_t empty_s;  // these: no generic-to-shared conversion in the math loop)
 
   // The ring whose 2 x kStages barriers start at `bars` (full, then empty); bars_s is the same
-  // address in the shared window. Why passed in: callers derive it from a link-time constant
-  // (dyn_smem_base_s), which ptxas rematerializes cheaply, unlike a conversion of `bars`.
+  // address in the shared window. Why passed in: callers derive it from dyn_smem_base_s (a
+  // link-time constant plus the CTA's window bits), cheaper than a conversion of `bars`.
   __device__ __forceinline__ static TmaPipeline at(uint64_t* bars, uint32_t bars_s) {
     return TmaPipeline{bars, bars + kStages, bars_s, bars_s + uint32_t(kStages) * 8u};
   }
