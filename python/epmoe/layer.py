@@ -128,15 +128,19 @@ class Layer:
         dtype: 'fp8' (e4m3 with block scales) or 'bf16'.
         activation_clamp: c of SPEC.md step 3; None (or <= 0) disables it.
         pow2_scales: round FP8 activation scales up to a power of two.
+        combine_partials: "fp32" (default) or "bf16": precision of the per-(token, expert rank)
+            partial sums that combine sends back; bf16 halves combine's NVLink bytes at the cost
+            of one more bf16 rounding per partial (within SPEC's accuracy bound).
     """
 
     def __init__(self, group_or_comm: Any, num_experts: int, hidden: int, intermediate: int,
                  topk: int, max_tokens_per_rank: int, dtype: str = "fp8",
-                 activation_clamp: float | None = None, *, pow2_scales: bool = False):
+                 activation_clamp: float | None = None, *, pow2_scales: bool = False,
+                 combine_partials: str = "fp32"):
         comm = _as_communicator(group_or_comm)
         self.config = LayerConfig(comm.size, num_experts, hidden, intermediate, topk,
                                   max_tokens_per_rank, dtype, activation_clamp,
-                                  pow2_scales).validate()
+                                  pow2_scales, combine_partials).validate()
         c = self.config.to_c()
         handle = ctypes.c_void_p()
         _lib.call("epmoe_layer_create", comm.handle, ctypes.byref(c), ctypes.byref(handle))
