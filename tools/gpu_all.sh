@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|profile|ab]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|profile|profile-fused|ab]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
-# tools/stage_ab.sh, alternating in one call)
+# tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
+# GEMM on one GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -54,6 +55,33 @@ if [ "$mode" = ab ]; then
       step "ab_layer_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 1,128,1024,4096,8192 --partials bf16
       step "ab_layer_fp32p_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 128,4096
     done
+  done
+  echo "==== summary ($mode) ===="
+  printf '%s\n' "${summary[@]}"
+  save
+  exit 0
+fi
+if [ "$mode" = profile-fused ]; then
+  # One GPU (--ranks 1: no peer to wait for, so ncu can replay the kernel): the fused kernel and
+  # the pipeline's L1 GEMM kernel at 4096 tokens (the same per-rank GEMM work as R = 2), sections
+  # as text and per-instruction stall samples as CSV. Why: the fused path's L1 phase is slower
+  # than the pipeline's L1 kernel (docs/MEGAKERNEL.md) and ncu cannot replay the 2-rank kernel.
+  # Not yet run: R = 1 has not been exercised on a GPU before.
+  ncu_bin=$(command -v ncu || true)
+  for what in fused:sm90_fused_moe_kernel l1:ILb1ELNS0_12Sm90EpilogueE1E; do
+    name=${what%%:*} regex=${what#*:}
+    path=pipeline; [ "$name" = fused ] && path=fused
+    step "ncu_r1_$name" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
+      -k "regex:$regex" -c 1 --launch-skip 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section SourceCounters --import-source no -o "$out/ncu_r1_$name" \
+      "$bin/epmoe-bench" layer --ranks 1 --path "$path" --tokens 4096 --graph 0 --iters 2 --warmup 1 --sets 1
+    if [ -f "$out/ncu_r1_$name.ncu-rep" ]; then
+      "$ncu_bin" --import "$out/ncu_r1_$name.ncu-rep" --print-details all >"$out/ncu_r1_$name.txt" 2>&1
+      "$ncu_bin" --import "$out/ncu_r1_$name.ncu-rep" --page source --print-source sass --csv \
+        >"$out/ncu_r1_${name}_sass.csv" 2>&1
+      rm -f "$out/ncu_r1_$name.ncu-rep"
+      save
+    fi
   done
   echo "==== summary ($mode) ===="
   printf '%s\n' "${summary[@]}"
