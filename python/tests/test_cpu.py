@@ -425,3 +425,13 @@ def test_gpu_test_skips_without_gpus():
     r = subprocess.run([sys.executable, os.path.join(HERE, "gpu_test_layer.py")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("SKIPPED"), (r.stdout, r.stderr)
+
+
+def test_library_rejects_unknown_combine_partials():
+    # The C API's own check, below Python's: a raw struct with an out-of-range value.
+    import ctypes
+    c = epmoe.LayerConfig(**GOOD).to_c()
+    c.combine_partials = 7
+    with pytest.raises(epmoe.InvalidArgument) as e:
+        _lib.call("epmoe_validate_config", ctypes.byref(c))
+    assert "combine_partials=7" in str(e.value)
