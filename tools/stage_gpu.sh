@@ -8,7 +8,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build" -j "$(nproc)"
 rm -rf .gpu/bin && mkdir -p .gpu/bin
-for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests; do
+for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe; do
   [ -x "$build/$b" ] && cp "$build/$b" .gpu/bin/ && strip --strip-debug .gpu/bin/$b || true
 done
 if [ -f "$build/python/libepmoe_c.so" ]; then

@@ -2,9 +2,8 @@
 // operands already in shared memory (no TMA, no barriers, no global traffic). It isolates the
 // mainloop's own cost (wgmma issue, drains, fp32 promotion) from the memory feed.
 //
-// Build (here): nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \
-//   -o wgmma_probe tools/probes/wgmma_probe.cu
-// Run (GPU): ./wgmma_probe [k_blocks]
+// Built with the project as epmoe-wgmma-probe (tools/stage_gpu.sh copies it to .gpu/bin).
+// Run (GPU): epmoe-wgmma-probe [k_blocks]   (default 4000 K blocks per warpgroup)
 //
 // Variants (2 math warpgroups of 64 rows each unless said; FLOPs counted for what is computed):
 //   0 halves     : 64x256 per warpgroup as two N halves of 128, each 4 x m64n128k32 -> scratch,
