@@ -22,7 +22,7 @@ struct Sm90Bf16Mainloop {
 
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
-  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, uint8_t* smem, int num_k_blocks,
+  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
                              const float* const (&)[2], int wg, bool idle) {
     const int lane = threadIdx.x % 32;
     if (idle) {
@@ -42,9 +42,8 @@ struct Sm90Bf16Mainloop {
     // Why a one-behind release: wait_group<1> lets block kb's wgmmas run while this warp
     // already waits for stage kb+1; stage kb-1 is then known to be read and goes back.
     // 32-bit shared-window addresses from one live base (see the FP8 mainloop).
-    // smem is the aligned dynamic smem base (see dyn_smem_base_s).
+    // The stage ring and its barriers as in the FP8 mainloop.
     uint32_t smem_s = dyn_smem_base_s();
-    (void)smem;
     const uint32_t zero = uint32_t(num_k_blocks) >> 31;  // see the FP8 mainloop
     static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
     static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");

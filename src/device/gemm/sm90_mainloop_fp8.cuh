@@ -36,7 +36,7 @@ struct Sm90Fp8Mainloop {
   // past N (it is still computed, its result is unused).
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
-  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, uint8_t* smem, int num_k_blocks,
+  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
                              const float* const (&b_scale)[2], int wg, bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
@@ -46,10 +46,9 @@ struct Sm90Fp8Mainloop {
     // converted them on every K block (S2R of the shared window base, 64-bit math) on the path
     // between the wgmma batches; ncu put that overhead next to the wgmma waits. Each K block
     // derives the stage's addresses from the base with integer adds.
-    // smem is the aligned dynamic smem base (see dyn_smem_base_s), and the ring's barriers sit at
-    // Layout::kBarOffset from it (both kernels build `pipe` there).
+    // The stage ring starts at the aligned dynamic smem base (dyn_smem_base_s) and its barriers at
+    // Layout::kBarOffset from it, in both kernels that run this loop.
     uint32_t smem_s = dyn_smem_base_s();
-    (void)smem;
     // A zero ptxas cannot see through (num_k_blocks >= 0), for the loop-carried add below.
     const uint32_t zero = uint32_t(num_k_blocks) >> 31;
     static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");

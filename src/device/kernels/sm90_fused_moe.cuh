@@ -120,9 +120,9 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   }
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
-  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1>(p1, pipe, smem, st, wg, ready);
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1>(p1, pipe, st, wg, ready);
   if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL1Done);
-  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, smem, st, wg);
+  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg);
   if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL2Done);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
   // L1 tiles (decode) has had no other barrier since its inc.

@@ -99,7 +99,7 @@ struct MathTilesResult {
 // kMathWarpgroups x n_tiles. Why no trap in here: see sm90_grouped_gemm_tiles.
 template <class Cfg>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
-                                                           const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
+                                                           const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
                                                            uint32_t* done = nullptr) {
   using Mainloop = typename Cfg::Mainloop;
@@ -129,7 +129,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
     // rows would take tensor time from the first one's.
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
-    if (!Mainloop::run(acc, pipe, st, smem, num_k_blocks, b_scale, wg, idle))
+    if (!Mainloop::run(acc, pipe, st, num_k_blocks, b_scale, wg, idle))
       return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     // An idle warpgroup has no row to store (and acc was not computed); the readiness signal
     // below still counts it.
@@ -173,7 +173,7 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
     return;
   }
   ptx::setmaxnreg_inc<kMathRegs>();
-  const MathTilesResult r = sm90_math_tiles<Cfg>(p, pipe, smem, st, threadIdx.x / 128 - 1);
+  const MathTilesResult r = sm90_math_tiles<Cfg>(p, pipe, st, threadIdx.x / 128 - 1);
   if (!r.ok) {
     ptx::setmaxnreg_dec<kEntryRegs>();
     pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);

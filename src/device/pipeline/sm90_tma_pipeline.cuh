@@ -17,15 +17,7 @@ namespace epmoe::pipeline {
 inline constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
 // Spins on one mbarrier phase for at most kWaitTimeoutNs; false on timeout.
-__device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t parity) {
-  if (ptx::mbarrier_try_wait_parity_acquire_cta(bar, parity)) return true;
-  const uint64_t start = ptx::globaltimer_ns();
-  while (!ptx::mbarrier_try_wait_parity_acquire_cta(bar, parity)) {
-    if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
-  }
-  return true;
-}
-// The same on a 32-bit shared-window address.
+// bar: the barrier's 32-bit shared-window address.
 __device__ __forceinline__ bool mbarrier_wait_bounded_s(uint32_t bar, uint32_t parity) {
   if (ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) return true;
   const uint64_t start = ptx::globaltimer_ns();
@@ -33,6 +25,9 @@ __device__ __forceinline__ bool mbarrier_wait_bounded_s(uint32_t bar, uint32_t p
     if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
   }
   return true;
+}
+__device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t parity) {
+  return mbarrier_wait_bounded_s(ptx::smem_u32(bar), parity);
 }
 
 template <int kStages>
@@ -68,9 +63,7 @@ struct TmaPipeline {
   __device__ __forceinline__ uint64_t* producer_barrier(const State& st) const { return &full[st.index]; }
 
   // Returns false on timeout (see sm90_watchdog.cuh).
-  __device__ __forceinline__ bool consumer_wait(const State& st) const {
-    return mbarrier_wait_bounded_s(full_s + st.index * 8u, st.phase);
-  }
+  __device__ __forceinline__ bool consumer_wait(const State& st) const { return consumer_wait(full_s, st); }
   // The same two consumer operations with the barrier block's shared-window address supplied by
   // the caller (the bars_s given to at()), for loops that keep that address live themselves.
   __device__ __forceinline__ bool consumer_wait(uint32_t bars_s, const State& st) const {

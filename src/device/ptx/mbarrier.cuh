@@ -18,18 +18,14 @@ __device__ __forceinline__ void fence_mbarrier_init_release_cluster() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-__device__ __forceinline__ void mbarrier_arrive_release_cta(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
 // Arrives once and announces `bytes` of async-proxy transactions that will complete on `bar`.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx_release_cta(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
                ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 
-// The same operations on a 32-bit shared-window address (smem_u32 of the barrier). Why: a hot loop
-// that holds generic pointers converts them on every use (S2R of the shared window base); the
+// Consumer-side operations on a 32-bit shared-window address (smem_u32 of the barrier). Why: a hot
+// loop that holds generic pointers converts them on every use (S2R of the shared window base); the
 // GEMM's consumer loop keeps the barrier addresses as 32-bit values instead.
 __device__ __forceinline__ void mbarrier_arrive_release_cta_s(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -50,17 +46,7 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta_s(uint32_t 
 
 // One probe of the phase with the given parity; true once that phase has completed.
 __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
+  return mbarrier_try_wait_parity_acquire_cta_s(smem_u32(bar), parity);
 }
 
 }  // namespace epmoe::ptx
