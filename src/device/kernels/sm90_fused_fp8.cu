@@ -1,59 +1,13 @@
 // The fused MoE megakernel, FP8 instantiation (sm90_fused_moe.cuh has the kernel).
-#include "device/kernels/sm90_fused_moe.cuh"
-
-#include <mutex>
-#include <vector>
+#include "device/kernels/sm90_fused_host.cuh"
 
 namespace epmoe::fused {
 
-namespace {
-constexpr bool kFp8 = true;
-using Cfg = FusedMoeConfig<kFp8>;
-}  // namespace
-
-cudaError_t configure_sm90_fused_moe_fp8(int device, int* grid) {
-  // Why per device and locked: the attribute belongs to the function in one device's context,
-  // and layers on different devices may be created from different threads.
-  static std::mutex mu;
-  static std::vector<int> grid_of;  // 0: not configured yet
-  if (device < 0 || !grid) return cudaErrorInvalidValue;
-  std::lock_guard<std::mutex> lock(mu);
-  if (size_t(device) < grid_of.size() && grid_of[device] > 0) {
-    *grid = grid_of[device];
-    return cudaSuccess;
-  }
-  cudaError_t e = cudaFuncSetAttribute(sm90_fused_moe_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       Cfg::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  // The grid of a cooperative launch must be co-resident: SMs x the blocks per SM that the
-  // occupancy API allows for this block size and smem (1 here). Every phase loops over its work
-  // with a grid stride, so any such grid is correct.
-  int per_sm = 0, sms = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_fused_moe_kernel<kFp8>, Cfg::kThreads,
-                                                    Cfg::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e != cudaSuccess) return e;
-  if (per_sm < 1) return cudaErrorLaunchOutOfResources;
-  if (grid_of.size() <= size_t(device)) grid_of.resize(size_t(device) + 1, 0);
-  grid_of[device] = per_sm * sms;
-  *grid = grid_of[device];
-  return cudaSuccess;
-}
+cudaError_t configure_sm90_fused_moe_fp8(int device, int* grid) { return configure_fused<true>(device, grid); }
 
 cudaError_t launch_sm90_fused_moe_fp8(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2,
                                       const CUtensorMap& b2, const FusedMoeParams& p, int grid, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(Cfg::kThreads);
-  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, sm90_fused_moe_kernel<kFp8>, a1, b1, a2, b2, p);
+  return launch_fused<true>(a1, b1, a2, b2, p, grid, stream);
 }
 
 }  // namespace epmoe::fused

@@ -1,0 +1,61 @@
+// Host halves of the fused kernel's launchers (sm90_fused_launch.h), written once for both
+// dtypes; sm90_fused_fp8.cu and sm90_fused_bf16.cu instantiate them.
+#pragma once
+
+#include <mutex>
+#include <vector>
+
+#include "device/kernels/sm90_fused_moe.cuh"
+
+namespace epmoe::fused {
+
+template <bool kFp8>
+cudaError_t configure_fused(int device, int* grid) {
+  using Cfg = FusedMoeConfig<kFp8>;
+  // Why per device and locked: the attribute belongs to the function in one device's context,
+  // and layers on different devices may be created from different threads.
+  static std::mutex mu;
+  static std::vector<int> grid_of;  // 0: not configured yet
+  if (device < 0 || !grid) return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(mu);
+  if (size_t(device) < grid_of.size() && grid_of[device] > 0) {
+    *grid = grid_of[device];
+    return cudaSuccess;
+  }
+  cudaError_t e = cudaFuncSetAttribute(sm90_fused_moe_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  // The grid of a cooperative launch must be co-resident: SMs x the blocks per SM that the
+  // occupancy API allows for this block size and smem (1 here). Every phase loops over its work
+  // with a grid stride, so any such grid is correct.
+  int per_sm = 0, sms = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_fused_moe_kernel<kFp8>, Cfg::kThreads,
+                                                    Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return e;
+  if (per_sm < 1) return cudaErrorLaunchOutOfResources;
+  if (grid_of.size() <= size_t(device)) grid_of.resize(size_t(device) + 1, 0);
+  grid_of[device] = per_sm * sms;
+  *grid = grid_of[device];
+  return cudaSuccess;
+}
+
+template <bool kFp8>
+cudaError_t launch_fused(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2, const CUtensorMap& b2,
+                         const FusedMoeParams& p, int grid, cudaStream_t stream) {
+  using Cfg = FusedMoeConfig<kFp8>;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(Cfg::kThreads);
+  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, sm90_fused_moe_kernel<kFp8>, a1, b1, a2, b2, p);
+}
+
+}  // namespace epmoe::fused
