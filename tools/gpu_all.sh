@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|profile|profile-fused|ab]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|profile|profile-fused|ab|diag]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
-# GEMM on one GPU)
+# GEMM on one GPU; diag: decode timing with and without graphs, an nsys trace, clock samples)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -56,6 +56,38 @@ if [ "$mode" = ab ]; then
       step "ab_layer_fp32p_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 128,4096
     done
   done
+  echo "==== summary ($mode) ===="
+  printf '%s\n' "${summary[@]}"
+  save
+  exit 0
+fi
+if [ "$mode" = diag ]; then
+  # Where decode time goes and what the clocks do: the layer at 0-128 tokens with and without
+  # CUDA graphs, an nsys kernel trace of the decode calls (if nsys is installed), and nvidia-smi
+  # clock/power samples every 100 ms during the GEMM benchmark and the 4096-token layer.
+  step diag_layer_decode 90 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 0,1,8,128 --partials bf16
+  step diag_layer_decode_nograph 90 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 0,1,8,128 --partials bf16 --graph 0
+  reasons=clocks_event_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,$reasons \
+    --format=csv -lms 100 >"$out/smi_trace.log" 2>&1 &
+  smi=$!
+  step diag_gemm 150 "$bin/epmoe-bench" gemm --dtype fp8
+  step diag_layer_4096 90 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 4096 --partials bf16
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  nsys_bin=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1 || true)
+  if [ -n "$nsys_bin" ]; then
+    step diag_nsys 150 "$nsys_bin" profile -t cuda --cuda-graph-trace=node --trace-fork-before-exec=true -f true -o "$out/nsys_decode" \
+      "$bin/epmoe-bench" layer --path pipeline,fused --tokens 1,128 --partials bf16 --iters 20
+    for f in "$out"/nsys_decode*.nsys-rep; do
+      [ -f "$f" ] || continue
+      "$nsys_bin" stats -q --report cuda_gpu_trace --format csv -o "${f%.nsys-rep}" "$f" >/dev/null 2>&1
+      rm -f "$f" "${f%.nsys-rep}.sqlite"
+    done
+    save
+  else
+    summary+=("diag_nsys: SKIPPED (no nsys)")
+  fi
   echo "==== summary ($mode) ===="
   printf '%s\n' "${summary[@]}"
   save
