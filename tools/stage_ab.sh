@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:?usage: bash tools/stage_ab.sh <commit>}
-git rev-parse --verify --quiet "$commit^{commit}" >/dev/null || { echo "stage_ab: unknown commit $commit" >&2; exit 2; }
+# Why resolved here: a relative name (HEAD~1) would otherwise be read in the worktree, whose HEAD
+# is the previous run's commit.
+commit=$(git rev-parse --verify --quiet "$commit^{commit}") || { echo "stage_ab: unknown commit $1" >&2; exit 2; }
 export PATH=/usr/local/cuda/bin:$PATH
 tree=build-ab/tree
 if [ ! -d "$tree" ]; then

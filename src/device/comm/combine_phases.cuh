@@ -65,7 +65,9 @@ __device__ __forceinline__ void add_partial8(float* acc, const char* row, int v)
 constexpr int kSliceVecs = 32 * kVecs;  // one work unit covers this many 8-channel vectors of a row
 
 // Phase A for one slice of one (source, token): sum our rows of it in slot order, push one partial.
-// Why rows in pairs: two rows' loads are in flight together; the sum order stays the slot order.
+// Why rows in groups of kRowsInFlight: their loads are in flight together (the phase is bound by
+// memory latency, not bandwidth, at 16 warps per SM); the sum order stays the slot order.
+constexpr int kRowsInFlight = 4;
 template <int kPartialBytes>
 __device__ __forceinline__ void push_partial_slice(const CombineParams& p, const CommSymLayout& sym, int src, int t,
                                                    int slice, const int32_t* token_rows) {
@@ -77,30 +79,31 @@ __device__ __forceinline__ void push_partial_slice(const CombineParams& p, const
   const char* o_pool = p.pool + p.pool_layout.o_pool_offset();
   const int64_t row_bytes = int64_t(s.hidden) * 2;
   float acc[kVecs][8] = {};
+  // mask is warp-uniform, so every branch on it below is too (the shuffles need the whole warp).
   for (unsigned mk = mask; mk;) {
-    const int k1 = __ffs(mk) - 1;
-    mk &= mk - 1;
-    const bool two = mk != 0;
-    const int k2 = two ? __ffs(mk) - 1 : k1;
-    if (two) mk &= mk - 1;
-    const int r1 = __shfl_sync(0xFFFFFFFFu, row, k1), r2 = __shfl_sync(0xFFFFFFFFu, row, k2);
-    const uint4* a = reinterpret_cast<const uint4*>(o_pool + int64_t(r1) * row_bytes);
-    const uint4* b = reinterpret_cast<const uint4*>(o_pool + int64_t(r2) * row_bytes);
-    uint4 ba[kVecs], bb[kVecs];
+    const uint4* r[kRowsInFlight];
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int v = v0 + j * 32 + lane;
-      if (v < nvec) {
-        ba[j] = a[v];
-        if (two) bb[j] = b[v];
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      r[i] = nullptr;
+      if (mk) {
+        const int k = __ffs(mk) - 1;
+        mk &= mk - 1;
+        r[i] = reinterpret_cast<const uint4*>(o_pool + int64_t(__shfl_sync(0xFFFFFFFFu, row, k)) * row_bytes);
       }
     }
+    uint4 buf[kRowsInFlight][kVecs];
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      if (v0 + j * 32 + lane >= nvec) continue;
-      add_bf16x8(acc[j], ba[j]);
-      if (two) add_bf16x8(acc[j], bb[j]);
-    }
+    for (int i = 0; i < kRowsInFlight; ++i)
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int v = v0 + j * 32 + lane;
+        if (r[i] && v < nvec) buf[i][j] = r[i][v];
+      }
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i)
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j)
+        if (r[i] && v0 + j * 32 + lane < nvec) add_bf16x8(acc[j], buf[i][j]);
   }
   char* dst = p.sym.ptr[src] + sym.partials_offset() + (int64_t(p.rank) * s.max_tokens + t) * sym.partial_row_bytes();
 #pragma unroll
@@ -123,12 +126,37 @@ __device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const
   const char* partials = p.sym.ptr[p.rank] + sym.partials_offset();
   uint4* y = reinterpret_cast<uint4*>(p.y + int64_t(t) * s.hidden);
   float acc[kVecs][8] = {};
-  for (unsigned rk = ranks; rk; rk &= rk - 1) {
-    const int d = __ffs(rk) - 1;
-    const char* row = partials + (int64_t(d) * s.max_tokens + t) * sym.partial_row_bytes();
+  // Up to two ranks' partial rows in flight together (rank order kept); ranks is warp-uniform.
+  for (unsigned rk = ranks; rk;) {
+    const char* row[2];
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j)
-      if (v0 + j * 32 + lane < nvec) add_partial8<kPartialBytes>(acc[j], row, v0 + j * 32 + lane);
+    for (int i = 0; i < 2; ++i) {
+      row[i] = nullptr;
+      if (rk) {
+        const int d = __ffs(rk) - 1;
+        rk &= rk - 1;
+        row[i] = partials + (int64_t(d) * s.max_tokens + t) * sym.partial_row_bytes();
+      }
+    }
+    if constexpr (kPartialBytes == 4) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j)
+          if (row[i] && v0 + j * 32 + lane < nvec) add_partial8<kPartialBytes>(acc[j], row[i], v0 + j * 32 + lane);
+    } else {
+      uint4 buf[2][kVecs];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j)
+          if (row[i] && v0 + j * 32 + lane < nvec) buf[i][j] = reinterpret_cast<const uint4*>(row[i])[v0 + j * 32 + lane];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j)
+          if (row[i] && v0 + j * 32 + lane < nvec) add_bf16x8(acc[j], buf[i][j]);
+    }
   }
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {

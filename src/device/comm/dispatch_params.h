@@ -45,6 +45,9 @@ struct CombineParams {
 };
 
 inline constexpr int kCommThreads = 512;
+// The standalone combine: 12 warps at up to 168 registers, because phase A keeps kRowsInFlight
+// rows' loads in flight per warp (at 16 warps the 128-register cap spilled them).
+inline constexpr int kCombineThreads = 384;
 
 // Both launch cooperatively (every block co-resident: the kernels spin on each other).
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream);

@@ -16,8 +16,8 @@ namespace epmoe::comm {
 namespace {
 
 template <int kPartialBytes>
-__global__ void __launch_bounds__(kCommThreads, 1) sm90_combine_kernel(CombineParams p) {
-  combine_phases<kPartialBytes, kCommThreads / 32>(p);
+__global__ void __launch_bounds__(kCombineThreads, 1) sm90_combine_kernel(CombineParams p) {
+  combine_phases<kPartialBytes, kCombineThreads / 32>(p);
 }
 
 }  // namespace
@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kCommThreads, 1) sm90_combine_kernel(CombinePa
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(num_blocks);
-  cfg.blockDim = dim3(kCommThreads);
+  cfg.blockDim = dim3(kCombineThreads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
