@@ -210,12 +210,12 @@ struct DispatchHandle::Impl {
   uint64_t timeout_ns() const { return uint64_t(cfg.timeout_seconds * 1e9); }
   // Why fewer blocks for few tokens: every block pays for the grid barrier, the flag waits and a
   // system-scope fence; a small call has too little work to hide that. Any size is correct.
-  int blocks_for(int64_t tokens) const {
+  int blocks_for(int64_t tokens, int warps_per_block) const {
     if (cfg.num_blocks > 0) return num_blocks;
     if (env_blocks > 0) return env_blocks < num_blocks ? env_blocks : num_blocks;
     // About one warp per (token, rank, 1024-channel slice): the kernels' unit of work.
     const int64_t slices = (shape.hidden + 1023) / 1024;
-    const int64_t want = (tokens * shape.num_ranks * slices + comm::kCommThreads / 32 - 1) / (comm::kCommThreads / 32);
+    const int64_t want = (tokens * shape.num_ranks * slices + warps_per_block - 1) / warps_per_block;
     return int(want < 16 ? 16 : (want > num_blocks ? num_blocks : want));
   }
 };
@@ -334,7 +334,7 @@ Status DispatchHandle::dispatch(const void* x, const int32_t* topk_idx, const fl
     return Status::Ok();
   }
   const comm::DispatchParams p = detail::DispatchAccess::dispatch_params(*this, x, topk_idx, topk_weights, num_tokens);
-  EPMOE_CUDA_RETURN(comm::launch_dispatch(p, m.blocks_for(num_tokens), stream));
+  EPMOE_CUDA_RETURN(comm::launch_dispatch(p, m.blocks_for(num_tokens, comm::kCommThreads / 32), stream));
   m.last_tokens = num_tokens;
   return Status::Ok();
 }
@@ -349,7 +349,7 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
   if (num_tokens > 0 && !y) return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
   if (m.never_arrive) return Status::Ok();
   const comm::CombineParams p = detail::DispatchAccess::combine_params(*this, y);
-  EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens), stream));
+  EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens, comm::kCombineThreads / 32), stream));
   return Status::Ok();
 }
 

@@ -94,9 +94,12 @@ struct MathTilesResult {
 };
 
 // Every thread of the math warpgroup `wg` (0 or 1), at the math budget. `done` (optional, the
-// fused kernel's L1): after a tile's epilogue stored its rows, the warpgroup adds 1 to
+// fused kernel's L1): once a tile's epilogue stored its rows, the warpgroup adds 1 to
 // done[tile.row0 / BLOCK_M] with a gpu-scope release, so an m-block is complete at
-// kMathWarpgroups x n_tiles. Why no trap in here: see sm90_grouped_gemm_tiles.
+// kMathWarpgroups x n_tiles. The release of a tile is deferred until the next tile's mainloop
+// has run (or the loop ends): its proxy fence then finds the epilogue's stores drained instead of
+// waiting for them with the tensor cores idle (measured ~60 us per call at 4096 tokens per rank
+// when it followed each epilogue). Why no trap in here: see sm90_grouped_gemm_tiles.
 template <class Cfg>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
@@ -108,6 +111,15 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
   scheduler::GemmTile tile;
   float acc[128];
+  int pending = -1;  // `done` index of the last stored tile whose release is deferred
+  // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
+  // warpgroup's barrier, then one cumulative release.
+  const auto release_pending = [&] {
+    ptx::fence_proxy_async_global();
+    ptx::named_barrier_sync(kMathBarrierBase + uint32_t(wg), 128);
+    if (threadIdx.x % 128 == 0) ptx::red_add_release_gpu(done + pending, 1);
+    pending = -1;
+  };
   while (sched.next(tile)) {
     const float* b_scale[2] = {nullptr, nullptr};
     if constexpr (Cfg::kFp8) {
@@ -131,6 +143,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
     if (!Mainloop::run(acc, pipe, st, num_k_blocks, b_scale, wg, idle))
       return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+    if (done && pending >= 0) release_pending();
     // An idle warpgroup has no row to store (and acc was not computed); the readiness signal
     // below still counts it.
     if (!idle) {
@@ -141,14 +154,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                    kMathBarrierBase + uint32_t(wg));
       }
     }
-    if (done) {
-      // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
-      // warpgroup's barrier, then one cumulative release.
-      ptx::fence_proxy_async_global();
-      ptx::named_barrier_sync(kMathBarrierBase + uint32_t(wg), 128);
-      if (threadIdx.x % 128 == 0) ptx::red_add_release_gpu(done + tile.row0 / kBlockM, 1);
-    }
+    if (done) pending = tile.row0 / kBlockM;
   }
+  if (done && pending >= 0) release_pending();
   return MathTilesResult{};
 }
 
