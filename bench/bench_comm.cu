@@ -15,6 +15,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "epmoe/launcher.h"
+#include "host/dispatch_internal.h"
 #include "reference/data.h"
 
 namespace epmoe::bench {
@@ -145,6 +146,9 @@ Status run_rank(const RankContext& ctx, const Options& o) {
     BENCH_CUDA(cudaMemset(h->pool().o_pool, 0x3F, size_t(h->pool().max_rows) * H * 2));
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // The kernels' phase stamps (comm::CommPhase), read in a separate pass after the timing.
+  unsigned long long* stamps = nullptr;
+  BENCH_CUDA(cudaMalloc(&stamps, sizeof(unsigned long long) * comm::kCommPhaseCount));
 
   ref::Problem prob;
   prob.R = R;
@@ -156,8 +160,11 @@ Status run_rank(const RankContext& ctx, const Options& o) {
     std::printf("\nepmoe-bench comm: R=%d H=%d K=%d E=%d routing=%s, %d iters after %d warm-up, rank 0's view\n", R, H,
                 K, E, ref::routing_name(o.routing), o.iters, o.warmup);
     std::printf("NVLink bytes = token payload crossing into (dispatch) / out of (combine) this GPU; GB/s = bytes/time\n");
-    std::printf("%6s | %-22s | %9s | %10s | %8s | %9s | %8s | %6s\n", "T/rank", "op", "time us", "NVLink MB", "GB/s",
-                "nccl us", "nccl GB/s", "ratio");
+    std::printf("phases (rank 0, median of 10 separate calls): dispatch = first block in -> all staged -> all counts "
+                "received -> last warp pulled; combine = first block in -> last partial pushed -> all partials "
+                "received -> last warp reduced\n");
+    std::printf("%6s | %-22s | %9s | %10s | %8s | %9s | %8s | %6s | %s\n", "T/rank", "op", "time us", "NVLink MB", "GB/s",
+                "nccl us", "nccl GB/s", "ratio", "phases");
   }
   for (int T : o.tokens) {
     std::vector<ref::Routed> all(R);
@@ -213,12 +220,40 @@ Status run_rank(const RankContext& ctx, const Options& o) {
         BENCH_OK(comm->barrier(stream));
         BENCH_OK(time_batch(stream, o.iters, nop, &nccl_us));
       }
+      // Where the time goes: median over 10 more calls of the kernel's phase stamps (their own
+      // pass: the stamps' atomics stay out of the timing above).
+      std::string phases;
+      if (row.kind != 2) {
+        std::vector<double> ph[3];
+        detail::DispatchAccess::set_phase_stamps(*h, stamps);
+        for (int i = 0; i < 10; ++i) {
+          unsigned long long ts[comm::kCommPhaseCount];
+          BENCH_CUDA(cudaMemsetAsync(stamps, 0, sizeof(ts), stream));
+          BENCH_OK(op());
+          BENCH_CUDA(cudaMemcpyAsync(ts, stamps, sizeof(ts), cudaMemcpyDeviceToHost, stream));
+          BENCH_CUDA(cudaStreamSynchronize(stream));
+          const int b = row.kind == 0 ? comm::kDispatchStart : comm::kCombineStart;
+          const double t0 = double(~ts[b]);
+          ph[0].push_back((double(ts[b + 1]) - t0) / 1e3);
+          ph[1].push_back((double(ts[b + 2]) - double(ts[b + 1])) / 1e3);
+          ph[2].push_back((double(ts[b + 3]) - double(ts[b + 2])) / 1e3);
+        }
+        detail::DispatchAccess::set_phase_stamps(*h, nullptr);
+        BENCH_OK(h->check_errors(stream));
+        for (auto& v : ph) std::sort(v.begin(), v.end());
+        char buf[160];
+        std::snprintf(buf, sizeof(buf),
+                      row.kind == 0 ? "stage %.1f / counts %.1f / pull %.1f us"
+                                    : "partials %.1f / wait %.1f / reduce %.1f us",
+                      ph[0][5], ph[1][5], ph[2][5]);
+        phases = buf;
+      }
       if (me == 0) {
         if (row.kind == 2)
           std::printf("%6d | %-22s | %9.1f | %10s | %8s | %9s | %8s | %6s\n", T, row.name, us, "", "", "", "", "");
         else
-          std::printf("%6d | %-22s | %9.1f | %10.2f | %8.1f | %9.1f | %8.1f | %5.2fx\n", T, row.name, us, bytes / 1e6,
-                      bytes / (us * 1e3), nccl_us, bytes / (nccl_us * 1e3), nccl_us / us);
+          std::printf("%6d | %-22s | %9.1f | %10.2f | %8.1f | %9.1f | %8.1f | %5.2fx | %s\n", T, row.name, us,
+                      bytes / 1e6, bytes / (us * 1e3), nccl_us, bytes / (nccl_us * 1e3), nccl_us / us, phases.c_str());
       }
     }
     if (me == 0)

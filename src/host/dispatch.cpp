@@ -188,6 +188,7 @@ struct DispatchHandle::Impl {
   // trap has killed the context). Host view and the device address the kernels get.
   comm::CommTimeoutRecord* timeout_record = nullptr;
   comm::CommTimeoutRecord* timeout_record_dev = nullptr;
+  unsigned long long* phase_ts = nullptr;  // benchmark only (DispatchAccess::set_phase_stamps)
   bool timeout_printed = false;  // check_errors printed the record once already
 
   ~Impl() {
@@ -372,6 +373,7 @@ comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, co
   p.pow2_scales = m.cfg.pow2_scales;
   p.timeout_ns = m.timeout_ns();
   p.timeout_record = m.timeout_record_dev;
+  p.phase_ts = m.phase_ts;
   return p;
 }
 
@@ -387,6 +389,7 @@ comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void
   p.local_ws = m.local_ws;
   p.timeout_ns = m.timeout_ns();
   p.timeout_record = m.timeout_record_dev;
+  p.phase_ts = m.phase_ts;
   return p;
 }
 
@@ -398,6 +401,7 @@ bool DispatchAccess::timeout_recorded(const DispatchHandle& h) {
 }
 
 void DispatchAccess::set_last_tokens(DispatchHandle& h, int64_t num_tokens) { h.impl_->last_tokens = num_tokens; }
+void DispatchAccess::set_phase_stamps(DispatchHandle& h, unsigned long long* stamps) { h.impl_->phase_ts = stamps; }
 
 }  // namespace detail
 

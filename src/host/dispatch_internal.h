@@ -27,6 +27,10 @@ struct DispatchAccess {
   // The token count that a later combine() is checked against. The fused path dispatches without
   // dispatch(), so it records its own call here (-1: no dispatch this combine could pair with).
   static void set_last_tokens(DispatchHandle& h, int64_t num_tokens);
+  // Benchmark only: device array of comm::kCommPhaseCount stamps that the standalone dispatch and
+  // combine (and the fused path's comm phases) fill from then on (comm::CommPhase); nullptr: off.
+  // The caller zeroes it before each call it wants to read and owns its memory.
+  static void set_phase_stamps(DispatchHandle& h, unsigned long long* stamps);
 };
 
 // Collective over `comm` (every rank, same n, same order as other collective calls): gathers each

@@ -13,6 +13,21 @@
 
 namespace epmoe::comm {
 
+// Optional phase stamps of the standalone kernels (benchmark only: DispatchParams / CombineParams
+// ::phase_ts, nullptr otherwise): %globaltimer in ns, the start stored as ~t so that atomicMax keeps
+// the earliest block's, every other stamp the latest block's (or warp's).
+enum CommPhase : int {
+  kDispatchStart,    // first block enters
+  kDispatchStaged,   // last block past the phase-1 grid barrier (routing + staging done everywhere)
+  kDispatchCounts,   // last block holding every source's counts (the cross-rank handshake)
+  kDispatchPulled,   // last warp done pulling
+  kCombineStart,
+  kCombinePartials,  // last warp done with phase A (partials pushed)
+  kCombineReady,     // last block holding every expert rank's combine_ready
+  kCombineEnd,       // last warp done with phase B
+  kCommPhaseCount
+};
+
 // Rows of the pool that no (token, slot) fills (segment padding) carry this source word.
 inline constexpr uint32_t kInvalidRowSource = 0xFFFFFFFFu;
 
@@ -30,6 +45,7 @@ struct DispatchParams {
   bool pow2_scales;
   uint64_t timeout_ns;
   CommTimeoutRecord* timeout_record;  // mapped pinned host memory: where a wait that expires reports
+  unsigned long long* phase_ts;       // optional, [kCommPhaseCount] (see CommPhase)
 };
 
 struct CombineParams {
@@ -42,6 +58,7 @@ struct CombineParams {
   char* local_ws;
   uint64_t timeout_ns;
   CommTimeoutRecord* timeout_record;  // the same record as the dispatch's
+  unsigned long long* phase_ts;       // optional, [kCommPhaseCount] (see CommPhase)
 };
 
 inline constexpr int kCommThreads = 512;

@@ -36,6 +36,14 @@ __device__ __forceinline__ void grid_barrier(uint32_t* counter, const WaitSite& 
 
 // The last block to call this (per kernel launch) gets true; the counter is left at zero for the next
 // launch. Every block's earlier writes, remote ones included, are visible to the last block.
+// One phase stamp (see CommPhase), if stamps are on; `first` keeps the earliest caller's time.
+__device__ __forceinline__ void comm_stamp(unsigned long long* ts, int phase, bool first = false) {
+  if (!ts) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  atomicMax(ts + phase, first ? ~t : t);
+}
+
 __device__ __forceinline__ bool arrive_is_last_block(uint32_t* counter) {
   __shared__ bool is_last;
   __syncthreads();

@@ -85,7 +85,9 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // first L2 tiles of others. Each role sets its register budget once for both GEMMs.
 // Deadlock-free: a block's L1 tiles never wait on anything but its own smem ring, every block is
 // resident (cooperative launch), and a producer only waits on L1 tiles, which all precede every
-// L2 tile in every block's sequence.
+// L2 tile in every block's sequence. A math warpgroup defers each L1 tile's release until its
+// next L1 mainloop has run (whose loads the producer issued before any wait on a counter) and
+// flushes the last one when its L1 loop ends, so every release still happens.
 // One phase stamp (FusedMoeParams::phase_ts); `first` records the earliest caller instead of the
 // latest.
 __device__ __forceinline__ void stamp_phase(unsigned long long* ts, int phase, bool first = false) {

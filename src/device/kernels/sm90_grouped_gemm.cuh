@@ -141,6 +141,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
     // rows would take tensor time from the first one's.
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
+    // A timeout leaves a deferred release unsent: other blocks' L2 producers may then report
+    // their own timeout first; the trap ends the grid either way (fatal path only).
     if (!Mainloop::run(acc, pipe, st, num_k_blocks, b_scale, wg, idle))
       return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if (done && pending >= 0) release_pending();
