@@ -201,14 +201,15 @@ class Layer:
     # ---- forward ------------------------------------------------------------------------------
 
     def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, out: Any = None,
-                 path: str = "fused", stream: Any = None) -> Any:
+                 path: str = "pipeline", stream: Any = None) -> Any:
         """y = the MoE layer of SPEC.md; returns `out` (allocated if None: torch and CuPy).
 
         x [T, H] bf16, topk_idx [T, K] int32 (each in [0, E) or -1), topk_weights [T, K] fp32,
         out [T, H] bf16, all on this rank's GPU. Runs on `stream` (default: the framework's
         current stream, e.g. torch.cuda.current_stream()) and never synchronizes with the host,
         so it can be captured in a CUDA graph. An out-of-range expert index is found on the GPU and
-        reported by :meth:`check_device_error`.
+        reported by :meth:`check_device_error`. `path`: "pipeline" (four kernels, the default:
+        faster today) or "fused" (the megakernel); both give bitwise the same result.
         """
         handle = self._live_handle()
         path_code = choice_arg("path", path, PATHS)

@@ -256,6 +256,15 @@ def test_forward_reaches_the_library(layer, fake):
     assert a["x"].streams == [5]  # the producer was told which stream epmoe runs on
 
 
+def test_forward_path_default_and_fused(layer, fake):
+    # The default is the pipeline (the faster path today, docs/PYTHON.md); "fused" reaches the
+    # library as its own code.
+    layer(**args(fake), stream=5)
+    layer(**args(fake), path="fused", stream=5)
+    assert [c[1][7] for c in layer.calls] == [_lib.PATH_PIPELINE, _lib.PATH_FUSED]
+    assert _lib.PATH_PIPELINE != _lib.PATH_FUSED
+
+
 def test_forward_legacy_stream_is_dlpack_1(layer, fake):
     a = args(fake)
     layer(**a, stream=0)
