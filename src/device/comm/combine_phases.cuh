@@ -138,6 +138,8 @@ __device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const
         row[i] = partials + (int64_t(d) * s.max_tokens + t) * sym.partial_row_bytes();
       }
     }
+    // Why two forms: without the explicit buffer ptxas interleaves the bf16 rows' loads with the
+    // first row's adds (checked in the SASS); the fp32 rows would need twice the buffer registers.
     if constexpr (kPartialBytes == 4) {
 #pragma unroll
       for (int i = 0; i < 2; ++i)
@@ -182,7 +184,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
   const uint64_t epoch = ld_relaxed_gpu(epoch_word) + 1;
-  if (threadIdx.x == 0) comm_stamp(p.phase_ts, kCombineStart, true);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineStart, true);
 
   // Phase 0: a source may still be reading the partials we pushed into its buffer last call.
   if (threadIdx.x < R)
@@ -201,7 +203,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
     const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
     if (t < recv_tokens[src]) push_partial_slice<kPartialBytes>(p, sym, src, t, slice, token_rows);
   }
-  if ((threadIdx.x & 31) == 0) comm_stamp(p.phase_ts, kCombinePartials);
+  if ((threadIdx.x & 31) == 0) stamp_phase(p.phase_ts, kCombinePartials);
   if (arrive_is_last_block(arrive_a) && threadIdx.x < R)
     st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
 
@@ -210,11 +212,11 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
     wait_geq_acquire_sys(site, reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineReady, threadIdx.x)),
                          epoch, "combine_ready", threadIdx.x);
   __syncthreads();
-  if (threadIdx.x == 0) comm_stamp(p.phase_ts, kCombineReady);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineReady);
   const int T = recv_tokens[p.rank];
   for (int64_t u = gwarp; u < int64_t(T) * slices; u += nwarps)
     reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
-  if ((threadIdx.x & 31) == 0) comm_stamp(p.phase_ts, kCombineEnd);
+  if ((threadIdx.x & 31) == 0) stamp_phase(p.phase_ts, kCombineEnd);
 
   // Phase C.
   if (arrive_is_last_block(arrive_c)) {

@@ -51,7 +51,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.dispatch_epoch_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
   const uint64_t epoch = ld_relaxed_gpu(epoch_word) + 1;
-  if (threadIdx.x == 0) comm_stamp(p.phase_ts, kDispatchStart, true);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStart, true);
 
   // Phase 0: our staging and the counts we wrote last call may still be read by a destination.
   if (threadIdx.x < R)
@@ -66,7 +66,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     stage_token<kFp8>(p, t, me + sym.stage_x_offset(), reinterpret_cast<float*>(me + sym.stage_scale_offset()));
   }
   grid_barrier(reinterpret_cast<uint32_t*>(ws + loc.grid_barrier_offset()), site);
-  if (threadIdx.x == 0) comm_stamp(p.phase_ts, kDispatchStaged);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStaged);
 
   // Publish how many rows we send to each destination's experts, and our T.
   if (blockIdx.x == 0) {
@@ -87,7 +87,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     wait_geq_acquire_sys(site, flag_ptr(me, sym, layout::kFlagDispatchReady, threadIdx.x), epoch,
                          "dispatch_ready", threadIdx.x);
   __syncthreads();
-  if (threadIdx.x == 0) comm_stamp(p.phase_ts, kDispatchCounts);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchCounts);
   int* base = smem;            // [R][E_loc]
   int* seg = smem + R * E_loc;  // [E_loc + 1]
   const int32_t* counts = reinterpret_cast<const int32_t*>(me + sym.counts_offset());
@@ -142,7 +142,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
     if (t < tokens_of[src]) pull_token_slice<kFp8>(p, sym, src, t, slice, base, token_rows, status);
   }
-  if ((threadIdx.x & 31) == 0) comm_stamp(p.phase_ts, kDispatchPulled);
+  if ((threadIdx.x & 31) == 0) stamp_phase(p.phase_ts, kDispatchPulled);
 
   // Phase 4.
   if (arrive_is_last_block(reinterpret_cast<uint32_t*>(ws + loc.dispatch_arrive_offset()))) {

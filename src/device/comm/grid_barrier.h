@@ -5,6 +5,7 @@
 
 #include "device/comm/ptx_sync.h"
 #include "device/comm/wait.h"
+#include "device/ptx/fence.cuh"
 
 namespace epmoe::comm {
 
@@ -36,11 +37,12 @@ __device__ __forceinline__ void grid_barrier(uint32_t* counter, const WaitSite& 
 
 // The last block to call this (per kernel launch) gets true; the counter is left at zero for the next
 // launch. Every block's earlier writes, remote ones included, are visible to the last block.
-// One phase stamp (see CommPhase), if stamps are on; `first` keeps the earliest caller's time.
-__device__ __forceinline__ void comm_stamp(unsigned long long* ts, int phase, bool first = false) {
+// One phase stamp (comm::CommPhase, the megakernel's FusedPhase), if stamps are on (ts non-null):
+// %globaltimer into ts[phase] with atomicMax, so the latest caller's time stays; `first` stores
+// the complement instead, which keeps the earliest caller's.
+__device__ __forceinline__ void stamp_phase(unsigned long long* ts, int phase, bool first = false) {
   if (!ts) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const unsigned long long t = ptx::globaltimer_ns();
   atomicMax(ts + phase, first ? ~t : t);
 }
 

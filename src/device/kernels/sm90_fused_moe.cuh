@@ -88,14 +88,6 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // L2 tile in every block's sequence. A math warpgroup defers each L1 tile's release until its
 // next L1 mainloop has run (whose loads the producer issued before any wait on a counter) and
 // flushes the last one when its L1 loop ends, so every release still happens.
-// One phase stamp (FusedMoeParams::phase_ts); `first` records the earliest caller instead of the
-// latest.
-__device__ __forceinline__ void stamp_phase(unsigned long long* ts, int phase, bool first = false) {
-  if (!ts) return;
-  const unsigned long long t = ptx::globaltimer_ns();
-  atomicMax(ts + phase, first ? ~t : t);
-}
-
 template <class L1, class L2>
 __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CUtensorMap* b1,
                                                  const gemm::GroupedGemmParams& p1, const CUtensorMap* a2,
@@ -123,9 +115,9 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   gemm::MathTilesResult r = gemm::sm90_math_tiles<L1>(p1, pipe, st, wg, ready);
-  if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL1Done);
+  if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg);
-  if (threadIdx.x % 128 == 0) stamp_phase(phase_ts, kPhaseL2Done);
+  if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
   // L1 tiles (decode) has had no other barrier since its inc.
   ptx::named_barrier_sync(gemm::kMathBarrierBase + uint32_t(wg), 128);
@@ -160,7 +152,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   uint32_t* ready = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_ready_offset());
   const comm::WaitSite site{p.dispatch.rank, p.dispatch.timeout_ns, status, p.dispatch.timeout_record};
 
-  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseStart, true);
+  if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseStart, true);
 
   // Dispatch: tokens from every source into this rank's expert pool. Once the expert segments
   // are known, each block asks L2 for the first K blocks of its first L1 weight tile, so HBM
@@ -189,13 +181,13 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   ptx::fence_proxy_async_shared_cta();
   ptx::fence_proxy_async_global();
   comm::grid_barrier(barrier_word, site);
-  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseDispatchDone);
+  if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
 
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(&map_a1, &map_b1, p.l1, &map_a2, &map_b2, p.l2, pipe, smem,
                                                        ready, p.phase_ts);
   comm::grid_barrier(barrier_word, site);
-  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseCombineStart);
+  if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
 
   // Every L2 tile has been loaded: reset the ready counters this call used (the pool's
   // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.
@@ -217,7 +209,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   }
   if (p.phase_ts) {
     __syncthreads();
-    if (threadIdx.x == 0) stamp_phase(p.phase_ts, kPhaseEnd);
+    if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseEnd);
   }
 }
 
