@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "device/comm/combine_phases.cuh"
+#include "device/kernels/launch_cooperative.h"
 
 namespace epmoe::comm {
 namespace {
@@ -23,17 +24,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) sm90_combine_kernel(Combin
 }  // namespace
 
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(num_blocks);
-  cfg.blockDim = dim3(kCombineThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (p.shape.partial_bytes == 4) return cudaLaunchKernelEx(&cfg, sm90_combine_kernel<4>, p);
-  return cudaLaunchKernelEx(&cfg, sm90_combine_kernel<2>, p);
+  const auto kernel = p.shape.partial_bytes == 4 ? sm90_combine_kernel<4> : sm90_combine_kernel<2>;
+  return launch_cooperative(kernel, num_blocks, kCombineThreads, 0, stream, p);
 }
 
 }  // namespace epmoe::comm

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "device/comm/dispatch_phases.cuh"
+#include "device/kernels/launch_cooperative.h"
 
 namespace epmoe::comm {
 namespace {
@@ -27,19 +28,9 @@ __global__ void __launch_bounds__(kCommThreads, 1) sm90_dispatch_kernel(Dispatch
 }  // namespace
 
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
-  const int smem = dispatch_smem_ints(p.shape) * int(sizeof(int));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(num_blocks);
-  cfg.blockDim = dim3(kCommThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (p.shape.fp8) return cudaLaunchKernelEx(&cfg, sm90_dispatch_kernel<true>, p);
-  return cudaLaunchKernelEx(&cfg, sm90_dispatch_kernel<false>, p);
+  const size_t smem = size_t(dispatch_smem_ints(p.shape)) * sizeof(int);
+  if (p.shape.fp8) return launch_cooperative(sm90_dispatch_kernel<true>, num_blocks, kCommThreads, smem, stream, p);
+  return launch_cooperative(sm90_dispatch_kernel<false>, num_blocks, kCommThreads, smem, stream, p);
 }
 
 }  // namespace epmoe::comm

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <vector>
 
+#include "device/kernels/launch_cooperative.h"
 #include "device/kernels/sm90_fused_moe.cuh"
 
 namespace epmoe::fused {
@@ -45,17 +46,8 @@ template <bool kFp8>
 cudaError_t launch_fused(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2, const CUtensorMap& b2,
                          const FusedMoeParams& p, int grid, cudaStream_t stream) {
   using Cfg = FusedMoeConfig<kFp8>;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(Cfg::kThreads);
-  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, sm90_fused_moe_kernel<kFp8>, a1, b1, a2, b2, p);
+  return launch_cooperative(sm90_fused_moe_kernel<kFp8>, grid, Cfg::kThreads, size_t(Cfg::kSmemBytes), stream, a1, b1,
+                            a2, b2, p);
 }
 
 }  // namespace epmoe::fused
