@@ -38,6 +38,22 @@ save() {
   cp "$out/summary.log" "$final/summary.log"
   tar czf "$final/gpu-logs.tgz" -C "$out" .
 }
+# An ncu report (from a step's -o "$out/NAME") as text sections and a per-instruction SASS CSV.
+ncu_export() {
+  local name=$1
+  [ -f "$out/$name.ncu-rep" ] || return 0
+  "$ncu_bin" --import "$out/$name.ncu-rep" --print-details all >"$out/$name.txt" 2>&1
+  "$ncu_bin" --import "$out/$name.ncu-rep" --page source --print-source sass --csv >"$out/${name}_sass.csv" 2>&1
+  rm -f "$out/$name.ncu-rep"
+  save
+}
+finish() {
+  echo "==== summary ($mode) ===="
+  printf '%s\n' "${summary[@]}"
+  save
+  exit 0
+}
+ncu_bin=$(command -v ncu || true)
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$out/nvidia-smi.log" 2>&1
 step gpu_check 120 "$bin/epmoe-gpu-check"
 if [ "$mode" = ab ]; then
@@ -56,10 +72,7 @@ if [ "$mode" = ab ]; then
       step "ab_layer_fp32p_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 128,4096
     done
   done
-  echo "==== summary ($mode) ===="
-  printf '%s\n' "${summary[@]}"
-  save
-  exit 0
+  finish
 fi
 if [ "$mode" = diag ]; then
   # Where decode time goes and what the clocks do: the layer at 0-128 tokens with and without
@@ -88,18 +101,13 @@ if [ "$mode" = diag ]; then
   else
     summary+=("diag_nsys: SKIPPED (no nsys)")
   fi
-  echo "==== summary ($mode) ===="
-  printf '%s\n' "${summary[@]}"
-  save
-  exit 0
+  finish
 fi
 if [ "$mode" = profile-fused ]; then
   # One GPU (--ranks 1: no peer to wait for, so ncu can replay the kernel): the fused kernel and
   # the pipeline's L1 GEMM kernel at 4096 tokens (the same per-rank GEMM work as R = 2), sections
   # as text and per-instruction stall samples as CSV. Why: the fused path's L1 phase is slower
   # than the pipeline's L1 kernel (docs/MEGAKERNEL.md) and ncu cannot replay the 2-rank kernel.
-  # Not yet run: R = 1 has not been exercised on a GPU before.
-  ncu_bin=$(command -v ncu || true)
   for what in fused:sm90_fused_moe_kernel l1:ILb1ELNS0_12Sm90EpilogueE1E; do
     name=${what%%:*} regex=${what#*:}
     path=pipeline; [ "$name" = fused ] && path=fused
@@ -107,42 +115,23 @@ if [ "$mode" = profile-fused ]; then
       -k "regex:$regex" -c 1 --launch-skip 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section SourceCounters --import-source no -o "$out/ncu_r1_$name" \
       "$bin/epmoe-bench" layer --ranks 1 --path "$path" --tokens 4096 --graph 0 --iters 2 --warmup 1 --sets 1
-    if [ -f "$out/ncu_r1_$name.ncu-rep" ]; then
-      "$ncu_bin" --import "$out/ncu_r1_$name.ncu-rep" --print-details all >"$out/ncu_r1_$name.txt" 2>&1
-      "$ncu_bin" --import "$out/ncu_r1_$name.ncu-rep" --page source --print-source sass --csv \
-        >"$out/ncu_r1_${name}_sass.csv" 2>&1
-      rm -f "$out/ncu_r1_$name.ncu-rep"
-      save
-    fi
+    ncu_export "ncu_r1_$name"
   done
-  echo "==== summary ($mode) ===="
-  printf '%s\n' "${summary[@]}"
-  save
-  exit 0
+  finish
 fi
 if [ "$mode" = profile ]; then
   # The L2 (plain-epilogue) FP8 kernel, then the L1 one, each at the first shape of --quick (the
   # bench runs 3 warm-up + 5 timed calls per kernel and shape with --iters 1): the sections as
   # text, and the per-instruction stall samples (SourceCounters) as a CSV of the SASS.
-  ncu_bin=$(command -v ncu || true)
   for kernel in E0 E1; do
     step "ncu_fp8_$kernel" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
       -k "regex:ILb1ELNS0_12Sm90Epilogue${kernel}E" -c 1 --launch-skip 3 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section SchedulerStats --section SourceCounters --import-source no -o "$out/ncu_fp8_$kernel" \
       "$bin/epmoe-bench" gemm --quick --dtype fp8 --iters 1
-    if [ -f "$out/ncu_fp8_$kernel.ncu-rep" ]; then
-      "$ncu_bin" --import "$out/ncu_fp8_$kernel.ncu-rep" --print-details all >"$out/ncu_fp8_$kernel.txt" 2>&1
-      "$ncu_bin" --import "$out/ncu_fp8_$kernel.ncu-rep" --page source --print-source sass --csv \
-        >"$out/ncu_fp8_${kernel}_sass.csv" 2>&1
-      rm -f "$out/ncu_fp8_$kernel.ncu-rep"
-      save
-    fi
+    ncu_export "ncu_fp8_$kernel"
   done
-  echo "==== summary ($mode) ===="
-  printf '%s\n' "${summary[@]}"
-  save
-  exit 0
+  finish
 fi
 step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
 step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
@@ -164,6 +153,4 @@ if [ "$mode" = full ]; then
   step bench_comm 180 "$bin/epmoe-bench" comm
   step bench_gemm 150 "$bin/epmoe-bench" gemm
 fi
-echo "==== summary ($mode) ===="
-printf '%s\n' "${summary[@]}"
-save
+finish
