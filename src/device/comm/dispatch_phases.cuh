@@ -59,11 +59,14 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
                          "dispatch_read_done", threadIdx.x);
   __syncthreads();
 
-  // Phase 1: stage our tokens.
+  // Phase 1: stage our tokens in (token, chunk) units; the chunk-0 warp also stages the routing.
   SlotMeta* meta = reinterpret_cast<SlotMeta*>(me + sym.stage_meta_offset());
-  for (int t = gwarp; t < p.num_tokens; t += nwarps) {
-    stage_routing(p, t, meta, cursor, status);
-    stage_token<kFp8>(p, t, me + sym.stage_x_offset(), reinterpret_cast<float*>(me + sym.stage_scale_offset()));
+  const int chunks = stage_chunks<kFp8>(s);
+  for (int64_t u = gwarp; u < int64_t(p.num_tokens) * chunks; u += nwarps) {
+    const int t = int(u / chunks), chunk = int(u % chunks);
+    if (chunk == 0) stage_routing(p, t, meta, cursor, status);
+    stage_token_chunk<kFp8>(p, t, chunk, me + sym.stage_x_offset(),
+                            reinterpret_cast<float*>(me + sym.stage_scale_offset()));
   }
   grid_barrier(reinterpret_cast<uint32_t*>(ws + loc.grid_barrier_offset()), site);
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStaged);
