@@ -95,8 +95,14 @@ struct Sm90Fp8Mainloop {
         ptx::wgmma_wait_group_sync_aligned<0>();
         ptx::fence_operands(tmp);
         // The scales are in registers and the tensor cores are done with the stage: hand it
-        // back before the last promotion so the producer refills it sooner.
-        if (h == 1 && lane == 0) pipe.consumer_release(bars_s, st);
+        // back before the last promotion so the producer refills it sooner. Why __syncwarp: lane
+        // 0 arrives for the whole warp, so every lane's scale loads from the stage must be ordered
+        // before its arrival (compute-sanitizer racecheck reported the refill's bulk copy racing
+        // with them; the loads had completed in practice, their values were used in half 0).
+        if (h == 1) {
+          __syncwarp();
+          if (lane == 0) pipe.consumer_release(bars_s, st);
+        }
 
         const float sb = h == 0 ? sb0 : sb1;
         const float s0 = sa_lo * sb;
