@@ -59,6 +59,26 @@ Status make_kmajor_map(CUtensorMap* map, const void* base, bool fp8, int64_t row
   return Status::Ok();
 }
 
+// The L2 output pool [rows][n] bf16 with row stride ld elements: 64 x 64 boxes (128 bytes of
+// columns), 128-byte swizzle, which is the deferred epilogue's slab layout
+// (device/gemm/sm90_epilogue_deferred.cuh).
+Status make_out_map(CUtensorMap* map, void* base, int64_t rows, int64_t n, int64_t ld) {
+  EncodeTiledFn encode = nullptr;
+  EPMOE_RETURN_IF_ERROR(encode_tiled_fn(&encode));
+  const cuuint64_t dims[2] = {cuuint64_t(n), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(ld * 2)};
+  const cuuint32_t box[2] = {64, 64};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return Status(StatusCode::kInternal, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)) +
+                                             " for the output pool rows=" + std::to_string(rows) +
+                                             " n=" + std::to_string(n) + " ld=" + std::to_string(ld));
+  return Status::Ok();
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Checks common to every call; dims are the GEMM's (n = B rows per expert, k = reduction).
@@ -122,6 +142,7 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
   EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
   EPMOE_RETURN_IF_ERROR(make_kmajor_map(&plan.map_a, a, fp8, g.max_rows, k, kBlockM));
   EPMOE_RETURN_IF_ERROR(make_kmajor_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, kBlockN));
+  if (stage == GemmStage::kL2) EPMOE_RETURN_IF_ERROR(make_out_map(&plan.map_d, p.out, g.max_rows, n, p.out_ld));
   EPMOE_CUDA_RETURN(fp8 ? detail::configure_sm90_grouped_gemm_fp8(stage, plan.device)
                         : detail::configure_sm90_grouped_gemm_bf16(stage, plan.device));
   plan.fp8 = fp8;
@@ -236,9 +257,9 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
 Status launch(const GemmPlan& plan, cudaStream_t stream) {
   if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
   const GemmStage stage = plan.l1 ? GemmStage::kL1 : GemmStage::kL2;
-  EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.params,
+  EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d, plan.params,
                                                                      plan.grid, stream)
-                             : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.params,
+                             : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.map_d, plan.params,
                                                                       plan.grid, stream));
   return Status::Ok();
 }

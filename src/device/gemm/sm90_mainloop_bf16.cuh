@@ -22,15 +22,18 @@ struct Sm90Bf16Mainloop {
 
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
+  // kKeepLast: see the FP8 mainloop.
+  template <bool kKeepLast = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
                              const float* const (&)[2], int wg, bool idle) {
+    constexpr bool keep_last = kKeepLast;
     const int lane = threadIdx.x % 32;
     if (idle) {
       // None of this warpgroup's rows is valid: release every stage without wgmma (see the FP8
       // mainloop).
       for (int kb = 0; kb < num_k_blocks; ++kb) {
         if (!pipe.consumer_wait(st)) return false;
-        if (lane == 0) pipe.consumer_release(st);
+        if (lane == 0 && (!keep_last || kb + 1 < num_k_blocks)) pipe.consumer_release(st);
         ++st;
       }
       return true;
@@ -77,7 +80,7 @@ struct Sm90Bf16Mainloop {
     }
     ptx::wgmma_wait_group_sync_aligned<0>();
     ptx::fence_operands(acc);
-    if (num_k_blocks > 0) {
+    if (num_k_blocks > 0 && !keep_last) {
       if (lane == 0) pipe.consumer_release(bars_s, prev);
     }
     return true;

@@ -34,13 +34,17 @@ struct Sm90Fp8Mainloop {
   // other warpgroup. acc is not written; the epilogue stores no row of it.
   // b_scale[h]: the weight scales of N half h, one float per K block; nullptr when the half lies
   // past N (it is still computed, its result is unused).
+  // kKeepLast: the stage of the last K block is not released (the deferred L2 epilogue stages the
+  // tile's output there; its storer releases it). A template parameter: as a runtime flag it cost
+  // the K loop 12 SASS instructions.
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
+  template <bool kKeepLast = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
                              const float* const (&b_scale)[2], int wg, bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    if (idle) return pass_through(pipe, st, num_k_blocks, lane);
+    if (idle) return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;  // this thread's first row in the tile
     // Why 32-bit shared-window addresses from one live base: with generic pointers the loop
     // converted them on every K block (S2R of the shared window base, 64-bit math) on the path
@@ -97,11 +101,12 @@ struct Sm90Fp8Mainloop {
         // The scales are in registers and the tensor cores are done with the stage: hand it
         // back before the last promotion so the producer refills it sooner. Why __syncwarp: lane
         // 0 arrives for the whole warp, so every lane's scale loads from the stage must be ordered
-        // before its arrival (compute-sanitizer racecheck reported the refill's bulk copy racing
-        // with them; the loads had completed in practice, their values were used in half 0).
+        // before its arrival. compute-sanitizer racecheck still reports the refill's bulk copy
+        // against these loads (it does not count the warp barrier; with one arrival per lane it
+        // reports none): docs/GEMM.md note 20.
         if (h == 1) {
           __syncwarp();
-          if (lane == 0) pipe.consumer_release(bars_s, st);
+          if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
         }
 
         const float sb = h == 0 ? sb0 : sb1;
@@ -120,10 +125,10 @@ struct Sm90Fp8Mainloop {
     return true;
   }
 
-  __device__ static bool pass_through(const Pipe& pipe, State& st, int num_k_blocks, int lane) {
+  __device__ static bool pass_through(const Pipe& pipe, State& st, int num_k_blocks, int lane, bool keep_last) {
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       if (!pipe.consumer_wait(st)) return false;
-      if (lane == 0) pipe.consumer_release(st);
+      if (lane == 0 && (!keep_last || kb + 1 < num_k_blocks)) pipe.consumer_release(st);
       ++st;
     }
     return true;

@@ -30,18 +30,38 @@ struct Sm90SmemLayout {
   static constexpr uint32_t a_offset(uint32_t s) { return s * kTileA; }
   static constexpr uint32_t b_offset(uint32_t s) { return kStages * kTileA + s * kTileB; }
   static constexpr uint32_t sa_offset(uint32_t s) { return kStages * (kTileA + kTileB) + s * kScaleA; }
+  // Barriers: full[kStages], empty[kStages] (the ring), then the deferred L2 epilogue's two:
+  // "staged" (the math warpgroups wrote a tile's output to smem) and "drained" (the storer
+  // has read the staging tiles back).
   static constexpr uint32_t kBarOffset = kStages * (kTileA + kTileB + kScaleA);
+  static constexpr uint32_t kStagedBarOffset = kBarOffset + 2 * kStages * 8;
+  static constexpr uint32_t kDrainedBarOffset = kStagedBarOffset + 8;
+  // The staged tile's description for the storer (4 ints: row0, rows_valid or -1 when the
+  // math warpgroups have no more tiles, n_block, the kept stage), under the same two barriers.
+  static constexpr uint32_t kTileInfoOffset = kDrainedBarOffset + 8;
   // The plain epilogue's staging tiles, one per math warpgroup: 64 rows x 64 bf16 columns (one
   // quarter of the warpgroup's 64 x 256 block at a time), 16-byte chunks XOR-swizzled by row % 8.
   static constexpr uint32_t kEpiRowBytes = 128;
   static constexpr uint32_t kEpiTileBytes = 64 * kEpiRowBytes;
-  static constexpr uint32_t kEpiOffset = (kBarOffset + 2 * kStages * 8 + 127) / 128 * 128;
+  // 1024-byte aligned: the deferred epilogue's TMA stores read 128-byte swizzled boxes from here.
+  static constexpr uint32_t kEpiOffset = (kTileInfoOffset + 16 + 1023) / 1024 * 1024;
   static constexpr uint32_t epi_offset(uint32_t math_wg) { return kEpiOffset + math_wg * kEpiTileBytes; }
+  // The deferred L2 epilogue stages a whole 128 x 256 bf16 tile (64 KB) as eight 8 KB slabs
+  // (slab j = math warpgroup j / 4, 64-column quarter j % 4; rows and chunks as in the staging
+  // tiles above): slabs 0-1 in the A tile and 2-5 in the B tile of `stage` (the stage of the
+  // tile's last K block, which the math warpgroups keep instead of releasing it), 6-7 in the two
+  // staging tiles.
+  static constexpr uint32_t out_slab(uint32_t j, uint32_t stage) {
+    return j < 2 ? a_offset(stage) + j * kEpiTileBytes
+                 : j < 6 ? b_offset(stage) + (j - 2) * kEpiTileBytes : kEpiOffset + (j - 6) * kEpiTileBytes;
+  }
   static constexpr uint32_t kBytes = kEpiOffset + 2 * kEpiTileBytes;
   // Why + 1024: dynamic smem is only 16-byte aligned; swizzled tiles need 1024.
   static constexpr uint32_t kAllocBytes = kBytes + 1024;
 
   static_assert(kTileA % 1024 == 0 && kTileB % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
+  static_assert(kEpiOffset % 1024 == 0, "TMA boxes with a 128-byte swizzle need 1024-byte aligned smem");
+  static_assert(kTileA == 2 * kEpiTileBytes && kTileB == 4 * kEpiTileBytes, "a stage holds slabs 0-5 of a tile");
   static_assert(kScaleA % 16 == 0, "scale copies need 16-byte aligned destinations");
   static_assert(kAllocBytes <= 227 * 1024, "the stage ring does not fit in 227 KB of smem: fewer stages");
 };

@@ -58,6 +58,8 @@ template <bool kFp8>
 struct FusedMoeConfig {
   // Why 4 stages: as in the standalone GEMMs (4 x 48.5 KB fills the 227 KB of smem).
   using L1 = gemm::Sm90GroupedGemmConfig<kFp8, gemm::Sm90Epilogue::kSwiGLU, 4>;
+  // Why not the standalone L2's deferred store (kStoreBf16Deferred): with it this kernel spilled
+  // more at tile boundaries and decode was 10 us slower (docs/GEMM.md note 19).
   using L2 = gemm::Sm90GroupedGemmConfig<kFp8, gemm::Sm90Epilogue::kStoreBf16, 4>;
   using Layout = typename L1::Layout;
   using Mainloop = typename L1::Mainloop;
@@ -123,7 +125,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::named_barrier_sync(gemm::kMathBarrierBase + uint32_t(wg), 128);
   ptx::setmaxnreg_dec<gemm::kEntryRegs>();
   ptx::named_barrier_arrive(kRolesDoneBarrier, gemm::kNumThreads);
-  if (!r.ok) pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
+  if (!r.ok) pipeline::report_timeout(r.site, r.stage, r.phase, r.tile);
 }
 
 // K blocks of its first L1 weight tile each block prefetches into L2 during the pull: 8 x 32 KB x

@@ -33,8 +33,8 @@ cudaError_t configure(int device) {
 }
 
 template <class Cfg>
-cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const GroupedGemmParams& p, int grid,
-                   cudaStream_t stream) {
+cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d, const GroupedGemmParams& p,
+                   int grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(kNumThreads);
@@ -42,14 +42,14 @@ cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const GroupedGemm
   cfg.stream = stream;
   cfg.attrs = nullptr;
   cfg.numAttrs = 0;
-  return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_kernel<Cfg>, a, b, p);
+  return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_kernel<Cfg>, a, b, d, p);
 }
 
 // Why 4 stages: 4 x 48.5 KB (FP8) or 4 x 48 KB (BF16) fills the 227 KB of smem.
 template <bool kFp8>
 using L1Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kSwiGLU, 4>;
 template <bool kFp8>
-using L2Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kStoreBf16, 4>;
+using L2Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kStoreBf16Deferred, 4>;
 
 template <bool kFp8>
 cudaError_t configure_stage(GemmStage stage, int device) {
@@ -57,10 +57,10 @@ cudaError_t configure_stage(GemmStage stage, int device) {
 }
 
 template <bool kFp8>
-cudaError_t launch_stage(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
+cudaError_t launch_stage(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_d,
                          const GroupedGemmParams& p, int grid, cudaStream_t stream) {
-  return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_b, p, grid, stream)
-                                 : launch<L2Config<kFp8>>(map_a, map_b, p, grid, stream);
+  return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_b, map_d, p, grid, stream)
+                                 : launch<L2Config<kFp8>>(map_a, map_b, map_d, p, grid, stream);
 }
 
 }  // namespace epmoe::gemm::detail

@@ -4,7 +4,8 @@
 // device/{pipeline,scheduler,gemm}.
 //
 // Block = 3 warpgroups (384 threads): warpgroup 0 is the producer (its thread 0 issues every TMA
-// load; the other 127 threads only give their registers away), warpgroups 1 and 2 are the math
+// load; in the L2 kernel its thread 32 is the deferred epilogue's storer; the other threads only
+// give their registers away), warpgroups 1 and 2 are the math
 // warpgroups, each running wgmma on 64 rows x 256 columns of the 128 x 256 tile and then the
 // epilogue of those rows. Register budgets per role with setmaxnreg: producer 40, math 232
 // (40 + 2 x 232 = 3 x 168, the whole register file at one block per SM).
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "device/gemm/sm90_epilogue_deferred.cuh"
 #include "device/gemm/sm90_epilogue_store.cuh"
 #include "device/gemm/sm90_epilogue_swiglu.cuh"
 #include "device/gemm/sm90_gemm_params.h"
@@ -37,7 +39,10 @@
 
 namespace epmoe::gemm {
 
-enum class Sm90Epilogue { kStoreBf16, kSwiGLU };
+// kStoreBf16: plain bf16 store by the math warpgroups (the fused kernel's L2); kStoreBf16Deferred:
+// the same output, full tiles stored with TMA by one storer thread of the producer warpgroup
+// (sm90_epilogue_deferred.cuh; the standalone L2 kernel); kSwiGLU: L1.
+enum class Sm90Epilogue { kStoreBf16, kStoreBf16Deferred, kSwiGLU };
 
 inline constexpr int kNumThreads = 384;
 inline constexpr int kMathWarpgroups = 2;
@@ -51,12 +56,16 @@ inline constexpr int kRasterGroupN = 8;
 // Named barriers kMathBarrierBase + w (w = math warpgroup) synchronise one math warpgroup; id 0
 // is __syncthreads'.
 inline constexpr uint32_t kMathBarrierBase = 1;
+// 3 is the fused kernel's roles-done barrier; 4 is the deferred epilogue's, for both math
+// warpgroups (256 threads).
+inline constexpr uint32_t kBothMathBarrier = 4;
 
 template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
 struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU;
+  static constexpr bool kDeferredStore = kEpi == Sm90Epilogue::kStoreBf16Deferred;
   using Layout = Sm90SmemLayout<kFp8_, kStages_>;
   using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
@@ -91,6 +100,7 @@ struct MathTilesResult {
   bool ok = true;
   uint32_t stage = 0, phase = 0;
   int tile = 0;
+  pipeline::WaitSite site = pipeline::WaitSite::kConsumerFull;
 };
 
 // Every thread of the math warpgroup `wg` (0 or 1), at the math budget. `done` (optional, the
@@ -112,6 +122,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   scheduler::GemmTile tile;
   float acc[128];
   int pending = -1;  // `done` index of the last stored tile whose release is deferred
+  uint32_t tile_count = 0;  // tiles finished (the deferred epilogue's barrier phases)
   // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
   // warpgroup's barrier, then one cumulative release.
   const auto release_pending = [&] {
@@ -143,8 +154,28 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
     // A timeout leaves a deferred release unsent: other blocks' L2 producers may then report
     // their own timeout first; the trap ends the grid either way (fatal path only).
-    if (!Mainloop::run(acc, pipe, st, num_k_blocks, b_scale, wg, idle))
-      return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+    // Why only full tiles through the deferred store: its TMA stores write whole 64-row slabs, and
+    // rows past an expert's count must stay untouched; an expert's last, partial m-block takes the
+    // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
+    const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
+    const bool ok = deferred ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                             : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+    if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+    if constexpr (Cfg::kDeferredStore) {
+      if (deferred) {
+        // The stage of the last K block, kept by the mainloop: the one before st.
+        const uint32_t kept = (st.index + uint32_t(Cfg::kStages) - 1u) % uint32_t(Cfg::kStages);
+        if (!Sm90EpilogueDeferredBf16::stage<typename Cfg::Layout>(acc, p, tile, wg, !idle, dyn_smem_base_s(), kept,
+                                                                   tile_count, kBothMathBarrier))
+          return MathTilesResult{false, kept, (tile_count & 1u) ^ 1u, sched.next_linear,
+                                 pipeline::WaitSite::kEpilogueDrained};
+        ++tile_count;
+        continue;
+      }
+      // The staging tiles below are slabs 6-7 of the last deferred tile: wait until they drained.
+      if (!Sm90EpilogueDeferredBf16::wait_drained<typename Cfg::Layout>(dyn_smem_base_s(), tile_count))
+        return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
+    }
     if (done && pending >= 0) release_pending();
     // An idle warpgroup has no row to store (and acc was not computed); the readiness signal
     // below still counts it.
@@ -159,7 +190,21 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     if (done) pending = tile.row0 / kBlockM;
   }
   if (done && pending >= 0) release_pending();
+  if constexpr (Cfg::kDeferredStore) {
+    if (!Sm90EpilogueDeferredBf16::finish<typename Cfg::Layout>(wg, dyn_smem_base_s(), tile_count))
+      return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
+  }
   return MathTilesResult{};
+}
+
+// The deferred epilogue's storer role: lane 0 of warp 1 of the producer warpgroup, at the producer
+// budget.
+template <class Cfg>
+__device__ __forceinline__ void sm90_storer_tiles(const GroupedGemmParams& p, const CUtensorMap* map_d) {
+  uint32_t phase = 0, tile_count = 0;
+  if (!Sm90EpilogueDeferredBf16::drain<typename Cfg::Layout, Cfg::kStages>(p, map_d, kMathWarpgroups * 4, phase,
+                                                                           tile_count))
+    pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(tile_count));
 }
 
 // The persistent tile loop of the standalone grouped GEMM kernel: every thread of the block calls
@@ -174,35 +219,46 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
 // allocate that whole region for the entry budget of 168 (measured: 58 spilled accumulator slots).
 template <class Cfg>
 __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                                        const GroupedGemmParams& p,
+                                                        const CUtensorMap* tmap_d, const GroupedGemmParams& p,
                                                         const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem) {
   typename Cfg::Mainloop::State st{};
   if (threadIdx.x / 128 == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) sm90_producer_tiles<Cfg>(tmap_a, tmap_b, p, pipe, smem, st);
+    if constexpr (Cfg::kDeferredStore) {
+      if (threadIdx.x == 32) sm90_storer_tiles<Cfg>(p, tmap_d);
+    }
     return;
   }
   ptx::setmaxnreg_inc<kMathRegs>();
   const MathTilesResult r = sm90_math_tiles<Cfg>(p, pipe, st, threadIdx.x / 128 - 1);
   if (!r.ok) {
     ptx::setmaxnreg_dec<kEntryRegs>();
-    pipeline::report_timeout(pipeline::WaitSite::kConsumerFull, r.stage, r.phase, r.tile);
+    pipeline::report_timeout(r.site, r.stage, r.phase, r.tile);
   }
 }
 
 template <class Cfg>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                             const GroupedGemmParams p) {
+                             const __grid_constant__ CUtensorMap tmap_d, const GroupedGemmParams p) {
   using Layout = typename Cfg::Layout;
   using Mainloop = typename Cfg::Mainloop;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
   const typename Mainloop::Pipe pipe = Mainloop::Pipe::at(bars, dyn_smem_base_s() + Layout::kBarOffset);
-  if (threadIdx.x == 0) pipe.init(kMathWarpgroups * 4);  // one arrive per math warp
+  if (threadIdx.x == 0) {
+    if constexpr (Cfg::kDeferredStore) {
+      ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kStagedBarOffset),
+                         Sm90EpilogueDeferredBf16::kStagedArrivals);
+      ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kDrainedBarOffset),
+                         Sm90EpilogueDeferredBf16::kStorerThreads);
+    }
+    pipe.init(kMathWarpgroups * 4);  // one arrive per math warp (its fence covers the two above)
+  }
   __syncthreads();
-  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, p, pipe, smem);
+  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, pipe, smem);
 }
 
 }  // namespace epmoe::gemm

@@ -16,7 +16,16 @@
 namespace epmoe::pipeline {
 
 // kProducerReady: the fused kernel's producer waiting for an L1 m-block that L2 reads.
-enum class WaitSite : uint32_t { kNone = 0, kProducerEmpty = 1, kConsumerFull = 2, kProducerReady = 3 };
+// kEpilogueDrained: a math warpgroup waiting for the deferred epilogue's storers to drain the
+// previous tile; kStorerStaged: a storer waiting for a tile's output (sm90_epilogue_deferred.cuh).
+enum class WaitSite : uint32_t {
+  kNone = 0,
+  kProducerEmpty = 1,
+  kConsumerFull = 2,
+  kProducerReady = 3,
+  kEpilogueDrained = 4,
+  kStorerStaged = 5
+};
 
 struct TimeoutRecord {
   uint32_t site;  // WaitSite
@@ -43,7 +52,11 @@ __device__ __forceinline__ void report_timeout(WaitSite site, uint32_t stage, ui
   printf("epmoe gemm: timeout: block %d thread %d waited > %llu ns on the %s barrier of stage %u (parity %u), "
          "linear tile %d\n",
          blockIdx.x, threadIdx.x, (unsigned long long)kWaitTimeoutNs,
-         site == WaitSite::kProducerEmpty ? "empty" : site == WaitSite::kConsumerFull ? "full" : "m-block ready", stage, parity, tile);
+         site == WaitSite::kProducerEmpty   ? "empty"
+         : site == WaitSite::kConsumerFull  ? "full"
+         : site == WaitSite::kProducerReady ? "m-block ready"
+         : site == WaitSite::kEpilogueDrained ? "epilogue drained"
+                                              : "epilogue staged", stage, parity, tile);
 #endif
   ptx::trap();
 }

@@ -30,6 +30,11 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx_release_cta(uint64_t* 
 __device__ __forceinline__ void mbarrier_arrive_release_cta_s(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// `count` arrivals in one operation (sm_90): one thread standing for several others that met it
+// at a named barrier first.
+__device__ __forceinline__ void mbarrier_arrive_count_release_cta_s(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
 __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta_s(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(

@@ -1,0 +1,174 @@
+// Deferred plain epilogue (the standalone L2 kernel's full tiles): the math warpgroups hand a
+// tile's bf16 output to one storer thread through shared memory and go straight back to wgmma;
+// the storer writes it with TMA stores.
+//
+//   math warpgroups (256 threads)                     storer (lane 0 of warp 1, producer warpgroup)
+//   mainloop, keeping the last K block's stage        wait "staged" (phase = tile count, sleeping)
+//   wait "drained" of the previous tile               read the tile's description; stop at the end mark
+//   meet at a 256-thread barrier (both are done       one TMA store per 64 x 64 slab (8 KB)
+//     reading the kept stage)                         commit; wait until the TMA unit has read them
+//   stmatrix fp32 -> bf16 into the eight slabs;       release the kept stage (empty barrier, one
+//     one thread writes the tile's description          arrival per math warp)
+//   proxy fence; arrive on "staged"                   arrive on "drained"
+//   after the last tile: wait "drained", write the end mark, arrive on "staged"
+//
+// Only tiles with 128 valid rows come here: a TMA store writes whole 64-row slabs, and rows past
+// an expert's count must stay untouched (docs/GEMM.md, contract with the pool); an expert's last,
+// partial m-block (and so every decode tile) keeps the math warpgroups' own store
+// (sm90_epilogue_store.cuh), after the last deferred tile has drained (both use the staging tiles).
+//
+// Why (docs/GEMM.md note 19): the plain epilogue's smem reads and global stores cost ~10% of the
+// FP8 L2 kernel at K = 2048 with the tensor cores idle. Why a whole tile at once: one 8 KB staging
+// tile per warpgroup would make the math warpgroups wait for each quarter's drain; the stage the
+// last K block used is free once its wgmma completed, and with the staging tiles it holds the
+// 128 x 256 bf16 tile (Sm90SmemLayout::out_slab). The producer refills that stage only after the
+// storer released it: the next tile's first three K blocks load meanwhile.
+// Why TMA stores and not storer warps copying with 16-byte loads and stores (measured, note 19):
+// those copies ran at the SM's store rate, so the kept stage came back late and the next tile's
+// fourth K block starved the math warpgroups (11% slower than the inline store); the TMA unit
+// reads the 64 KB from smem quickly and writes global memory on its own.
+// Why stmatrix: 16 instructions per thread and tile instead of 64 4-byte smem stores.
+// Why the description in smem instead of a second scheduler walk: the storer runs at the
+// producer's 40 registers, and the scheduler's state spilled there.
+//
+// Ordering. staged: each math thread's arrive (release) follows its own smem writes and its
+// fence.proxy.async.shared::cta (the TMA store reads them through the async proxy; TMA loads
+// overwrite the kept stage later); the storer's wait acquires them. drained: a math warpgroup waits
+// for the previous tile's drain before it writes the staging tiles again, which also keeps the
+// arrivals of two tiles on "staged" apart (no thread arrives for tile t + 1 before every arrival of
+// tile t has completed the phase). The storer releases the kept stage only after
+// cp.async.bulk.wait_group.read, and waits for the stores' completion before it exits.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "device/gemm/sm90_gemm_params.h"
+#include "device/gemm/sm90_smem_layout.cuh"
+#include "device/pipeline/sm90_tma_pipeline.cuh"
+#include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
+#include "device/ptx/mbarrier.cuh"
+#include "device/ptx/tma.cuh"
+#include "device/scheduler/sm90_grouped_scheduler.cuh"
+
+namespace epmoe::gemm {
+
+struct Sm90EpilogueDeferredBf16 {
+  static constexpr uint32_t kStorerThreads = 1;       // lane 0 of warp 1 of the producer warpgroup
+  static constexpr uint32_t kStagedArrivals = 256;    // every math thread
+
+  // Math side: every thread of math warpgroup `wg` after a mainloop that kept the stage `kept`.
+  // write: false for a warpgroup whose rows are all padding (it still takes part in the barrier
+  // and the arrival). `tile_count`: tiles this block finished before this one. smem_s: the aligned
+  // dynamic smem base. Returns false if the previous tile never drained (bounded wait).
+  template <class Layout>
+  __device__ static bool stage(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+                               int wg, bool write, uint32_t smem_s, uint32_t kept, uint32_t tile_count,
+                               uint32_t both_math_barrier) {
+    if (!pipeline::mbarrier_wait_bounded_s(smem_s + Layout::kDrainedBarOffset, (tile_count & 1u) ^ 1u))
+      return false;
+    // Why: the kept stage's B tile is read by both warpgroups' wgmma; neither may overwrite it
+    // before the other's last batch completed.
+    ptx::named_barrier_sync(both_math_barrier, 256);
+    const int tid = threadIdx.x % 128;
+    if (wg == 0 && tid == 0)
+      ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset,
+                        make_uint4(uint32_t(t.row0), uint32_t(t.rows_valid), uint32_t(t.n_block), kept));
+    if (write) {
+      const int warp = tid / 32, lane = tid % 32;
+      const int m = lane / 8;  // the matrix whose row this lane addresses
+      const uint32_t r = uint32_t(warp * 16 + (m & 1) * 8 + lane % 8);
+#pragma unroll
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        if (t.n_block * kBlockN + quarter * 64 >= p.n) continue;  // N is a multiple of 128
+        const uint32_t slab = smem_s + Layout::out_slab(uint32_t(wg * 4 + quarter), kept);
+        const int h = quarter / 2;
+#pragma unroll
+        for (int pair = 0; pair < 4; ++pair) {
+          const int i = (quarter % 2) * 8 + 2 * pair;  // 8-column group within the N half
+          const float* a = acc + 64 * h + 4 * i;
+          const uint32_t c = uint32_t(2 * pair + (m >> 1));
+          ptx::stmatrix_x4(slab + r * 128u + ((c ^ (r & 7u)) * 16u), ptx::cvt_rn_bf16x2(a[0], a[1]),
+                           ptx::cvt_rn_bf16x2(a[2], a[3]), ptx::cvt_rn_bf16x2(a[4], a[5]),
+                           ptx::cvt_rn_bf16x2(a[6], a[7]));
+        }
+      }
+      // Why: TMA (async proxy) overwrites the kept stage next; these generic writes must not land
+      // after it.
+      ptx::fence_proxy_async_shared_cta();
+    }
+    ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kStagedBarOffset);
+    return true;
+  }
+
+  // Math side: until the last deferred tile (tile_count tiles staged so far) has drained.
+  template <class Layout>
+  __device__ static bool wait_drained(uint32_t smem_s, uint32_t tile_count) {
+    return pipeline::mbarrier_wait_bounded_s(smem_s + Layout::kDrainedBarOffset, (tile_count & 1u) ^ 1u);
+  }
+
+  // Math side, after the last tile: every math thread, with the number of tiles staged. Tells the
+  // storers to stop. Returns false if the last tile never drained.
+  template <class Layout>
+  __device__ static bool finish(int wg, uint32_t smem_s, uint32_t tile_count) {
+    if (!pipeline::mbarrier_wait_bounded_s(smem_s + Layout::kDrainedBarOffset, (tile_count & 1u) ^ 1u))
+      return false;
+    if (wg == 0 && threadIdx.x % 128 == 0) ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset, make_uint4(0, ~0u, 0, 0));
+    ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kStagedBarOffset);
+    return true;
+  }
+
+  // Storer side: one thread (lane 0 of warp 1 of the producer warpgroup), until the end mark.
+  // Only full tiles (128 valid rows) come here: each slab goes out as one TMA store (map_d: the
+  // output pool, 64 x 64 boxes, 128-byte swizzle, which is the slabs' layout). The kept stage and the staging
+  // tiles are handed back once the TMA unit has read them (bulk wait_group.read), not when the
+  // global writes land. empty_arrivals: what the ring's empty barriers count (one per math warp).
+  // Returns false on a bounded-wait timeout; `phase` and `tile_count` then name it.
+  template <class Layout, int kStages>
+  __device__ static bool drain(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t empty_arrivals,
+                               uint32_t& phase, uint32_t& tile_count) {
+    const uint32_t smem_s = dyn_smem_base_s();
+    ptx::prefetch_tensormap(map_d);
+    for (tile_count = 0;; ++tile_count) {
+      phase = tile_count & 1u;
+      if (!wait_sleeping(smem_s + Layout::kStagedBarOffset, phase)) return false;
+      const uint4 info = ptx::ld_shared_v4(smem_s + Layout::kTileInfoOffset);
+      const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
+      const uint32_t kept = info.w;
+      if (rows_valid < 0) break;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = n_block * kBlockN + (j % 4) * 64;
+        if (col < p.n)
+          ptx::tma_store_2d(map_d, smem_s + Layout::out_slab(uint32_t(j), kept), col, row0 + (j / 4) * kWarpgroupM);
+      }
+      ptx::bulk_commit_group();
+      ptx::bulk_wait_group_read_0();
+      ptx::mbarrier_arrive_count_release_cta_s(smem_s + Layout::kBarOffset + uint32_t(kStages) * 8u + kept * 8u,
+                                               empty_arrivals);
+      ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
+    }
+    // Why: the stores must have landed before the kernel ends, and in the fused kernel combine
+    // reads them with generic loads after the next grid barrier (hence the proxy fence too).
+    ptx::bulk_wait_group_0();
+    ptx::fence_proxy_async_global();
+    return true;
+  }
+
+ private:
+  // Why not the ring's spinning wait: the storer waits through a whole mainloop per tile, and a
+  // polling warp takes issue slots from the math warps on its sub-partition.
+  __device__ static bool wait_sleeping(uint32_t bar, uint32_t parity) {
+    if (ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) return true;
+    const uint64_t start = ptx::globaltimer_ns();
+    while (!ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) {
+      if (ptx::globaltimer_ns() - start > pipeline::kWaitTimeoutNs) return false;
+      ptx::nanosleep(256);
+    }
+    return true;
+  }
+};
+
+}  // namespace epmoe::gemm
