@@ -257,10 +257,10 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
 Status launch(const GemmPlan& plan, cudaStream_t stream) {
   if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
   const GemmStage stage = plan.l1 ? GemmStage::kL1 : GemmStage::kL2;
-  EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d, plan.params,
-                                                                     plan.grid, stream)
-                             : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.map_d, plan.params,
-                                                                      plan.grid, stream));
+  EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d,
+                                                                     plan.params, plan.grid, stream)
+                             : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.map_d,
+                                                                      plan.params, plan.grid, stream));
   return Status::Ok();
 }
 

@@ -115,7 +115,8 @@ struct Sm90EpilogueDeferredBf16 {
   __device__ static bool finish(int wg, uint32_t smem_s, uint32_t tile_count) {
     if (!pipeline::mbarrier_wait_bounded_s(smem_s + Layout::kDrainedBarOffset, (tile_count & 1u) ^ 1u))
       return false;
-    if (wg == 0 && threadIdx.x % 128 == 0) ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset, make_uint4(0, ~0u, 0, 0));
+    if (wg == 0 && threadIdx.x % 128 == 0)
+      ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset, make_uint4(0, ~0u, 0, 0));  // rows_valid = -1
     ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kStagedBarOffset);
     return true;
   }

@@ -158,8 +158,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // rows past an expert's count must stay untouched; an expert's last, partial m-block takes the
     // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
     const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
-    const bool ok = deferred ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                             : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+    const bool ok = deferred
+                        ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                        : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {
@@ -174,7 +175,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       }
       // The staging tiles below are slabs 6-7 of the last deferred tile: wait until they drained.
       if (!Sm90EpilogueDeferredBf16::wait_drained<typename Cfg::Layout>(dyn_smem_base_s(), tile_count))
-        return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
+        return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear,
+                               pipeline::WaitSite::kEpilogueDrained};
     }
     if (done && pending >= 0) release_pending();
     // An idle warpgroup has no row to store (and acc was not computed); the readiness signal
