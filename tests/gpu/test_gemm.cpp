@@ -363,6 +363,17 @@ TEST(GemmManyExperts, UnevenCountsRepeatedCalls) {
   }
 }
 
+// Blocks with several tiles each, full and partial mixed: the L2 kernel's deferred epilogue then
+// stages consecutive tiles in one block (its barrier phases advance), refills a kept stage, and runs
+// a partial tile's inline store right after a deferred one; K = 640 is 5 K blocks, so the kept
+// stage moves around the 4-stage ring. (The other cases here give each block at most one tile.)
+TEST(GemmManyTilesPerBlock, DeferredAndPartialTilesMix) {
+  EPMOE_REQUIRE_GPUS(1);
+  const std::vector<int> counts = {24 * 128, 3 * 128 + 3, 0, 130, 5 * 128 + 127, 1};
+  for (DType d : {DType::kFP8, DType::kBF16})
+    for (bool l1 : {false, true}) run_case(Case{d, l1, counts, 1024, 640}, fresh_seed());
+}
+
 // The layer's use of a plan: built once, launched on several calls whose expert counts change on
 // the device in between. Also: a stale error from an unrelated runtime call is not blamed on the
 // launch (launch returns cudaLaunchKernelEx's own result, never cudaGetLastError).

@@ -60,9 +60,10 @@ struct Sm90EpilogueDeferredBf16 {
   static constexpr uint32_t kStagedArrivals = 256;    // every math thread
 
   // Math side: every thread of math warpgroup `wg` after a mainloop that kept the stage `kept`.
-  // write: false for a warpgroup whose rows are all padding (it still takes part in the barrier
-  // and the arrival). `tile_count`: tiles this block finished before this one. smem_s: the aligned
-  // dynamic smem base. Returns false if the previous tile never drained (bounded wait).
+  // write: whether this warpgroup writes its slabs; with full tiles only (the caller's rule) both
+  // always do, and the storer stores all eight slabs. `tile_count`: deferred tiles this block
+  // staged before this one (partial tiles do not count). smem_s: the aligned dynamic smem base.
+  // Returns false if the previous tile never drained (bounded wait).
   template <class Layout>
   __device__ static bool stage(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                                int wg, bool write, uint32_t smem_s, uint32_t kept, uint32_t tile_count,
@@ -110,7 +111,7 @@ struct Sm90EpilogueDeferredBf16 {
   }
 
   // Math side, after the last tile: every math thread, with the number of tiles staged. Tells the
-  // storers to stop. Returns false if the last tile never drained.
+  // storer to stop. Returns false if the last tile never drained.
   template <class Layout>
   __device__ static bool finish(int wg, uint32_t smem_s, uint32_t tile_count) {
     if (!pipeline::mbarrier_wait_bounded_s(smem_s + Layout::kDrainedBarOffset, (tile_count & 1u) ^ 1u))
@@ -151,8 +152,8 @@ struct Sm90EpilogueDeferredBf16 {
                                                empty_arrivals);
       ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
     }
-    // Why: the stores must have landed before the kernel ends, and in the fused kernel combine
-    // reads them with generic loads after the next grid barrier (hence the proxy fence too).
+    // Why: the stores must have landed before the kernel ends; the proxy fence would matter to a
+    // reader in the same kernel (none today: the fused kernel keeps its inline store).
     ptx::bulk_wait_group_0();
     ptx::fence_proxy_async_global();
     return true;

@@ -122,7 +122,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   scheduler::GemmTile tile;
   float acc[128];
   int pending = -1;  // `done` index of the last stored tile whose release is deferred
-  uint32_t tile_count = 0;  // tiles finished (the deferred epilogue's barrier phases)
+  // Deferred tiles staged so far (the deferred epilogue's barrier phases): partial tiles, which
+  // take the inline store, must not count, or the parities would no longer match the storer's.
+  uint32_t tile_count = 0;
   // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
   // warpgroup's barrier, then one cumulative release.
   const auto release_pending = [&] {

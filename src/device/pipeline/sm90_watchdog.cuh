@@ -16,7 +16,7 @@
 namespace epmoe::pipeline {
 
 // kProducerReady: the fused kernel's producer waiting for an L1 m-block that L2 reads.
-// kEpilogueDrained: a math warpgroup waiting for the deferred epilogue's storers to drain the
+// kEpilogueDrained: a math warpgroup waiting for the deferred epilogue's storer to drain the
 // previous tile; kStorerStaged: a storer waiting for a tile's output (sm90_epilogue_deferred.cuh).
 enum class WaitSite : uint32_t {
   kNone = 0,
