@@ -39,43 +39,26 @@ Status encode_tiled_fn(EncodeTiledFn* out) {
   return Status::Ok();
 }
 
-// A 2D K-major operand [rows][k]: box of box_rows x 128 bytes, 128-byte swizzle (the layout the
-// wgmma descriptors in device/gemm/sm90_smem_desc.cuh expect).
-Status make_kmajor_map(CUtensorMap* map, const void* base, bool fp8, int64_t rows, int64_t k, int box_rows) {
+// A 2D row-major tensor [rows][cols] with row stride ld elements (e4m3 or bf16), boxes of box_rows
+// x 128 bytes, 128-byte swizzle: the layout the wgmma descriptors in device/gemm/sm90_smem_desc.cuh
+// expect (operands: K-major, cols = ld = k) and the deferred L2 epilogue's slabs (its output pool:
+// 64-row boxes, device/gemm/sm90_epilogue_deferred.cuh). promotion: L2 sector promotion of loads.
+Status make_swizzled_map(CUtensorMap* map, const void* base, bool fp8, int64_t rows, int64_t cols, int64_t ld,
+                         int box_rows, CUtensorMapL2promotion promotion, const char* what) {
   EncodeTiledFn encode = nullptr;
   EPMOE_RETURN_IF_ERROR(encode_tiled_fn(&encode));
   const int elem = fp8 ? 1 : 2;
-  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(k * elem)};
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(ld * elem)};
   const cuuint32_t box[2] = {cuuint32_t(128 / elem), cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = encode(map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
                             const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return Status(StatusCode::kInternal, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)) +
-                                             " for rows=" + std::to_string(rows) + " k=" + std::to_string(k));
-  return Status::Ok();
-}
-
-// The L2 output pool [rows][n] bf16 with row stride ld elements: 64 x 64 boxes (128 bytes of
-// columns), 128-byte swizzle, which is the deferred epilogue's slab layout
-// (device/gemm/sm90_epilogue_deferred.cuh).
-Status make_out_map(CUtensorMap* map, void* base, int64_t rows, int64_t n, int64_t ld) {
-  EncodeTiledFn encode = nullptr;
-  EPMOE_RETURN_IF_ERROR(encode_tiled_fn(&encode));
-  const cuuint64_t dims[2] = {cuuint64_t(n), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(ld * 2)};
-  const cuuint32_t box[2] = {64, 64};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return Status(StatusCode::kInternal, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)) +
-                                             " for the output pool rows=" + std::to_string(rows) +
-                                             " n=" + std::to_string(n) + " ld=" + std::to_string(ld));
+                                             " for " + what + " rows=" + std::to_string(rows) +
+                                             " cols=" + std::to_string(cols) + " ld=" + std::to_string(ld));
   return Status::Ok();
 }
 
@@ -140,9 +123,13 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
                   const GroupedGemmParams& p, GemmPlan* out) {
   GemmPlan plan;
   EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
-  EPMOE_RETURN_IF_ERROR(make_kmajor_map(&plan.map_a, a, fp8, g.max_rows, k, kBlockM));
-  EPMOE_RETURN_IF_ERROR(make_kmajor_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, kBlockN));
-  if (stage == GemmStage::kL2) EPMOE_RETURN_IF_ERROR(make_out_map(&plan.map_d, p.out, g.max_rows, n, p.out_ld));
+  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a, a, fp8, g.max_rows, k, k, kBlockM,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations"));
+  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, kBlockN,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights"));
+  if (stage == GemmStage::kL2)
+    EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, false, g.max_rows, n, p.out_ld, 64,
+                                            CU_TENSOR_MAP_L2_PROMOTION_NONE, "the output pool"));
   EPMOE_CUDA_RETURN(fp8 ? detail::configure_sm90_grouped_gemm_fp8(stage, plan.device)
                         : detail::configure_sm90_grouped_gemm_bf16(stage, plan.device));
   plan.fp8 = fp8;

@@ -68,8 +68,7 @@ struct Sm90EpilogueDeferredBf16 {
   __device__ static bool stage(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                                int wg, bool write, uint32_t smem_s, uint32_t kept, uint32_t tile_count,
                                uint32_t both_math_barrier) {
-    if (!pipeline::mbarrier_wait_bounded_s(smem_s + Layout::kDrainedBarOffset, (tile_count & 1u) ^ 1u))
-      return false;
+    if (!wait_drained<Layout>(smem_s, tile_count)) return false;
     // Why: the kept stage's B tile is read by both warpgroups' wgmma; neither may overwrite it
     // before the other's last batch completed.
     ptx::named_barrier_sync(both_math_barrier, 256);
@@ -114,8 +113,7 @@ struct Sm90EpilogueDeferredBf16 {
   // storer to stop. Returns false if the last tile never drained.
   template <class Layout>
   __device__ static bool finish(int wg, uint32_t smem_s, uint32_t tile_count) {
-    if (!pipeline::mbarrier_wait_bounded_s(smem_s + Layout::kDrainedBarOffset, (tile_count & 1u) ^ 1u))
-      return false;
+    if (!wait_drained<Layout>(smem_s, tile_count)) return false;
     if (wg == 0 && threadIdx.x % 128 == 0)
       ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset, make_uint4(0, ~0u, 0, 0));  // rows_valid = -1
     ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kStagedBarOffset);
