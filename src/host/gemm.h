@@ -83,7 +83,7 @@ struct GemmPlan {
   int grid = 0;     // persistent blocks: one per SM
   CUtensorMap map_a{};  // pool activations [max_rows][k]
   CUtensorMap map_b{};  // weights [num_groups * n][k]
-  CUtensorMap map_d{};  // L2 only: the output pool [max_rows][n] bf16 (its deferred epilogue's TMA stores)
+  CUtensorMap map_d{};  // the output pool for the deferred epilogues' TMA stores (L2 bf16; FP8 L1 e4m3)
   GroupedGemmParams params{};
 };
 

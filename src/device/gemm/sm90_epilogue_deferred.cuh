@@ -157,6 +157,57 @@ struct Sm90EpilogueDeferredBf16 {
     return true;
   }
 
+  // ---- The same handoff for the FP8 L1 (SwiGLU) kernel's full tiles. ----------------------------
+  // Its output is small (128 rows x 128 e4m3 channels = 16 KB plus 128 row scales), so it fits the
+  // staging tiles and the scale buffer (Layout::kEpiScaleOffset) and no ring stage is kept. The math
+  // warpgroups compute SwiGLU and the requantization as before and write codes and scales to smem
+  // (Sm90EpilogueSwiGLU<true, true>) instead of 32 two-byte global stores per thread and tile.
+
+  // Math side, every thread, before writing the staging tiles: wait until the previous deferred
+  // tile drained; one thread writes this tile's description. Returns false on timeout.
+  template <class Layout>
+  __device__ static bool begin_l1(const scheduler::GemmTile& t, int wg, uint32_t smem_s, uint32_t tile_count) {
+    if (!wait_drained<Layout>(smem_s, tile_count)) return false;
+    if (wg == 0 && threadIdx.x % 128 == 0)
+      ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset,
+                        make_uint4(uint32_t(t.row0), uint32_t(t.rows_valid), uint32_t(t.n_block), 0u));
+    return true;
+  }
+  // Math side, every thread, after its smem writes: hand the tile to the storer.
+  template <class Layout>
+  __device__ static void end_l1(uint32_t smem_s) {
+    ptx::fence_proxy_async_shared_cta();  // the TMA unit reads these writes
+    ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kStagedBarOffset);
+  }
+
+  // Storer side for L1: two TMA stores of 64 x 128-byte e4m3 boxes (map_d: the activation pool
+  // [rows][I] e4m3, 128-byte swizzle) and one bulk copy of the 128 row scales to
+  // out_scale[n_block][row0 ..] (512 contiguous bytes of the MN-major scales).
+  template <class Layout>
+  __device__ static bool drain_l1(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t& phase,
+                                  uint32_t& tile_count) {
+    const uint32_t smem_s = dyn_smem_base_s();
+    ptx::prefetch_tensormap(map_d);
+    for (tile_count = 0;; ++tile_count) {
+      phase = tile_count & 1u;
+      if (!wait_sleeping(smem_s + Layout::kStagedBarOffset, phase)) return false;
+      const uint4 info = ptx::ld_shared_v4(smem_s + Layout::kTileInfoOffset);
+      const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
+      if (rows_valid < 0) break;
+#pragma unroll
+      for (int w = 0; w < 2; ++w)
+        ptx::tma_store_2d(map_d, smem_s + Layout::epi_offset(uint32_t(w)), n_block * kHalfN, row0 + w * kWarpgroupM);
+      ptx::bulk_copy_s2g(p.out_scale + int64_t(n_block) * p.scale_stride + row0, smem_s + Layout::kEpiScaleOffset,
+                         kBlockM * 4);
+      ptx::bulk_commit_group();
+      ptx::bulk_wait_group_read_0();
+      ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
+    }
+    ptx::bulk_wait_group_0();
+    ptx::fence_proxy_async_global();
+    return true;
+  }
+
  private:
   // Why not the ring's spinning wait: the storer waits through a whole mainloop per tile, and a
   // polling warp takes issue slots from the math warps on its sub-partition.

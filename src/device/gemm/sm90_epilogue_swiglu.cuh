@@ -30,10 +30,16 @@ __device__ __forceinline__ float silu_f32(float g) {
   return g * r;
 }
 
-template <bool kFp8>
+// kToSmem (FP8 only, the deferred L1 store of sm90_epilogue_deferred.cuh): the codes go to this
+// warpgroup's staging tile (`slab_s`: 64 rows x 128 bytes, 16-byte chunk c of row r at
+// (c ^ (r % 8)) * 16, the layout of a 128-byte swizzled TMA box) and the row scales to
+// `scale_s` (128 floats, the tile's rows), instead of global memory; every row is written (the
+// caller sends only full tiles).
+template <bool kFp8, bool kToSmem = false>
 struct Sm90EpilogueSwiGLU {
+  static_assert(kFp8 || !kToSmem, "the deferred L1 store is FP8 only");
   __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
-                             int wg) {
+                             int wg, uint32_t slab_s = 0, uint32_t scale_s = 0) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;
@@ -75,6 +81,21 @@ struct Sm90EpilogueSwiGLU {
       // a / s as a * (1 / s): one rounded reciprocal per row instead of an IEEE division per
       // channel. Exact when s is a power of two; otherwise within an ulp of the quotient.
       const float inv[2] = {__frcp_rn(s[0]), __frcp_rn(s[1])};
+      if constexpr (kToSmem) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t r = uint32_t(warp * 16 + lane / 4 + half * 8);  // row of the staging tile
+          // Channels 8 i + 2 q, + 1 are bytes 8 i + 2 q, + 1 of the row: chunk i / 2.
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+            ptx::st_shared_u16(slab_s + r * 128u + ((uint32_t(i / 2) ^ (r & 7u)) * 16u) +
+                                   uint32_t(8 * (i % 2) + 2 * (lane % 4)),
+                               ptx::cvt_rn_satfinite_e4m3x2(a[4 * i + 2 * half] * inv[half],
+                                                            a[4 * i + 2 * half + 1] * inv[half]));
+          if (lane % 4 == 0) ptx::st_shared_f32(scale_s + uint32_t(wg * kWarpgroupM + int(r)) * 4u, s[half]);
+        }
+        return;
+      }
       uint8_t* out = static_cast<uint8_t*>(p.out);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {

@@ -55,7 +55,9 @@ struct Sm90SmemLayout {
     return j < 2 ? a_offset(stage) + j * kEpiTileBytes
                  : j < 6 ? b_offset(stage) + (j - 2) * kEpiTileBytes : kEpiOffset + (j - 6) * kEpiTileBytes;
   }
-  static constexpr uint32_t kBytes = kEpiOffset + 2 * kEpiTileBytes;
+  // The deferred L1 epilogue's row scales of a tile (128 floats), after the staging tiles.
+  static constexpr uint32_t kEpiScaleOffset = kEpiOffset + 2 * kEpiTileBytes;
+  static constexpr uint32_t kBytes = kEpiScaleOffset + kBlockM * 4;
   // Why + 1024: dynamic smem is only 16-byte aligned; swizzled tiles need 1024.
   static constexpr uint32_t kAllocBytes = kBytes + 1024;
 

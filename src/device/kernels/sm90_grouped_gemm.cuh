@@ -41,8 +41,10 @@ namespace epmoe::gemm {
 
 // kStoreBf16: plain bf16 store by the math warpgroups (the fused kernel's L2); kStoreBf16Deferred:
 // the same output, full tiles stored with TMA by one storer thread of the producer warpgroup
-// (sm90_epilogue_deferred.cuh; the standalone L2 kernel); kSwiGLU: L1.
-enum class Sm90Epilogue { kStoreBf16, kStoreBf16Deferred, kSwiGLU };
+// (sm90_epilogue_deferred.cuh; the standalone L2 kernel); kSwiGLU: L1 (the fused kernel's, and
+// BF16); kSwiGLUDeferred: FP8 L1 whose full tiles' codes and scales the storer writes (the
+// standalone FP8 L1 kernel).
+enum class Sm90Epilogue { kStoreBf16, kStoreBf16Deferred, kSwiGLU, kSwiGLUDeferred };
 
 inline constexpr int kNumThreads = 384;
 inline constexpr int kMathWarpgroups = 2;
@@ -64,8 +66,11 @@ template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
 struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU;
+  static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU || kEpi == Sm90Epilogue::kSwiGLUDeferred;
   static constexpr bool kDeferredStore = kEpi == Sm90Epilogue::kStoreBf16Deferred;
+  static constexpr bool kDeferredL1 = kEpi == Sm90Epilogue::kSwiGLUDeferred;
+  static constexpr bool kHasStorer = kDeferredStore || kDeferredL1;
+  static_assert(!kDeferredL1 || kFp8_, "the deferred L1 store is FP8 only (a BF16 tile does not fit the staging)");
   using Layout = Sm90SmemLayout<kFp8_, kStages_>;
   using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
@@ -183,6 +188,19 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     if (done && pending >= 0) release_pending();
     // An idle warpgroup has no row to store (and acc was not computed); the readiness signal
     // below still counts it.
+    if constexpr (Cfg::kDeferredL1) {
+      if (tile.rows_valid >= kBlockM) {
+        const uint32_t smem_s = dyn_smem_base_s();
+        if (!Sm90EpilogueDeferredBf16::begin_l1<typename Cfg::Layout>(tile, wg, smem_s, tile_count))
+          return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear,
+                                 pipeline::WaitSite::kEpilogueDrained};
+        Sm90EpilogueSwiGLU<true, true>::run(acc, p, tile, wg, smem_s + Cfg::Layout::epi_offset(uint32_t(wg)),
+                                            smem_s + Cfg::Layout::kEpiScaleOffset);
+        Sm90EpilogueDeferredBf16::end_l1<typename Cfg::Layout>(smem_s);
+        ++tile_count;
+        continue;
+      }
+    }
     if (!idle) {
       if constexpr (Cfg::kSwiGLU) {
         Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
@@ -194,7 +212,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     if (done) pending = tile.row0 / kBlockM;
   }
   if (done && pending >= 0) release_pending();
-  if constexpr (Cfg::kDeferredStore) {
+  if constexpr (Cfg::kHasStorer) {
     if (!Sm90EpilogueDeferredBf16::finish<typename Cfg::Layout>(wg, dyn_smem_base_s(), tile_count))
       return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
   }
@@ -206,9 +224,13 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
 template <class Cfg>
 __device__ __forceinline__ void sm90_storer_tiles(const GroupedGemmParams& p, const CUtensorMap* map_d) {
   uint32_t phase = 0, tile_count = 0;
-  if (!Sm90EpilogueDeferredBf16::drain<typename Cfg::Layout, Cfg::kStages>(p, map_d, kMathWarpgroups * 4, phase,
-                                                                           tile_count))
-    pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(tile_count));
+  bool ok;
+  if constexpr (Cfg::kDeferredL1)
+    ok = Sm90EpilogueDeferredBf16::drain_l1<typename Cfg::Layout>(p, map_d, phase, tile_count);
+  else
+    ok = Sm90EpilogueDeferredBf16::drain<typename Cfg::Layout, Cfg::kStages>(p, map_d, kMathWarpgroups * 4, phase,
+                                                                             tile_count);
+  if (!ok) pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(tile_count));
 }
 
 // The persistent tile loop of the standalone grouped GEMM kernel: every thread of the block calls
@@ -229,7 +251,7 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
   if (threadIdx.x / 128 == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) sm90_producer_tiles<Cfg>(tmap_a, tmap_b, p, pipe, smem, st);
-    if constexpr (Cfg::kDeferredStore) {
+    if constexpr (Cfg::kHasStorer) {
       if (threadIdx.x == 32) sm90_storer_tiles<Cfg>(p, tmap_d);
     }
     return;
@@ -253,7 +275,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
   const typename Mainloop::Pipe pipe = Mainloop::Pipe::at(bars, dyn_smem_base_s() + Layout::kBarOffset);
   if (threadIdx.x == 0) {
-    if constexpr (Cfg::kDeferredStore) {
+    if constexpr (Cfg::kHasStorer) {
       ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kStagedBarOffset),
                          Sm90EpilogueDeferredBf16::kStagedArrivals);
       ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kDrainedBarOffset),

@@ -53,6 +53,13 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t sm
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_src), "r"(c0), "r"(c1)
                : "memory");
 }
+// Contiguous smem -> global copy, tracked as a bulk async-group of the issuing thread; bytes, src
+// and dst multiples of 16.
+__device__ __forceinline__ void bulk_copy_s2g(void* gmem_dst, uint32_t smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               ::"l"(reinterpret_cast<uint64_t>(gmem_dst)), "r"(smem_src), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until every committed group of this thread has finished reading its smem source.
 __device__ __forceinline__ void bulk_wait_group_read_0() {
