@@ -110,7 +110,7 @@ if [ "$mode" = sanitize ]; then
   # against the warp-delegated stage release). In a block without full L2 tiles the storer waits
   # the whole kernel in one bounded (10 s) wait: keep the cases small under the sanitizer.
   san=$(command -v compute-sanitizer || echo /nonexistent/compute-sanitizer)
-  filter='*fp8_L2_H384_I640*:*fp8_L1_H384_I640*:*bf16_L2_H384_I640*:GemmPlanLaunch.*'
+  filter='*fp8_L2_H384_I640*:*fp8_L1_H384_I640*:*bf16_L2_H384_I640*:GemmPlanLaunch.*:GemmManyTilesPerBlock.*'
   step san_racecheck 150 "$san" --tool racecheck "$bin/epmoe_gpu_tests" --gtest_filter="$filter"
   step san_synccheck 150 "$san" --tool synccheck "$bin/epmoe_gpu_tests" --gtest_filter="$filter"
   finish
