@@ -149,10 +149,10 @@ step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
 step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
 # The fused path's suite first and fail-fast: a broken megakernel costs one bounded wait, not one
 # per case. Then the benchmark that compares the paths, then everything else.
-step mgpu_fused 150 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerE2EFused.*' --gtest_fail_fast
+step mgpu_fused 220 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerE2EFused.*' --gtest_fail_fast
 [ "$mode" = full ] && step bench_layer_fp8 60 "$bin/epmoe-bench" layer --path pipeline,fused --tokens 1,8,128,1024,4096,8192
 [ "$mode" = full ] && step bench_layer_fp8_bf16p 60 "$bin/epmoe-bench" layer --path pipeline,fused --partials bf16 --tokens 1,8,128,1024,4096,8192
-step mgpu_tests 200 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='-LayerE2EFused.*:LayerSoak.*'
+step mgpu_tests 260 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='-LayerE2EFused.*:LayerSoak.*'
 [ "$mode" = full ] && step mgpu_soak 300 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerSoak.*'
 whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
 if [ -n "$whl" ]; then

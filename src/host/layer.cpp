@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,6 +84,12 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                               static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_);
     // Why not fail create: the pipeline works without the megakernel; forward(kFused) reports this.
     fused_status_ = planned.ok() ? configure_fused() : Status::Ok();
+    // Benchmark / A-B switch for the megakernel's epilogue variant (docs/MEGAKERNEL.md): "inline"
+    // or "deferred" forces one; anything else (or unset) lets fused_deferred() choose per call.
+    if (const char* env = std::getenv("EPMOE_FUSED_EPILOGUE")) {
+      const std::string v(env);
+      fused_epilogue_ = v == "inline" ? 1 : v == "deferred" ? 2 : 0;
+    }
     return agree_across_ranks(planned);
   }
 
@@ -176,12 +183,12 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
         if (!z.ok()) return timing_failed(z);
         fp.phase_ts = static_cast<unsigned long long*>(phase_ts_.ptr);
       }
-      const cudaError_t e =
-          cfg_.dtype == DType::kFP8
-              ? fused::launch_sm90_fused_moe_fp8(plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a, plan_l2_.map_b, fp,
-                                                 fused_grid_, stream)
-              : fused::launch_sm90_fused_moe_bf16(plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a, plan_l2_.map_b,
-                                                  fp, fused_grid_, stream);
+      const fused::FusedMoeMaps maps{plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a,
+                                     plan_l2_.map_b, plan_l1_.map_d, plan_l2_.map_d};
+      const bool deferred = fused_deferred(num_tokens);
+      const cudaError_t e = cfg_.dtype == DType::kFP8
+                                ? fused::launch_sm90_fused_moe_fp8(maps, fp, deferred, fused_grid_, stream)
+                                : fused::launch_sm90_fused_moe_bf16(maps, fp, deferred, fused_grid_, stream);
       const Status launched = detail::cuda_status(e, "cudaLaunchKernelEx(sm90_fused_moe)", __FILE__, __LINE__);
       if (!launched.ok()) {
         // Nothing ran: no dispatch a later combine() could pair with, and the stage events still
@@ -287,6 +294,17 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel
+  int fused_epilogue_ = 0;            // 0: per call (fused_deferred), 1: inline, 2: deferred
+
+  // The megakernel's variant for a call of num_tokens local tokens: the throughput variant (TMA
+  // stores of full tiles by a storer thread) once an expert holds 256 rows on average
+  // (num_tokens x topk / experts_per_rank, with every rank at num_tokens), i.e. most tiles are
+  // full; below that most tiles are partial, which only the inline store handles, and the decode
+  // variant spills less (docs/MEGAKERNEL.md, configuration per regime).
+  bool fused_deferred(int num_tokens) const {
+    if (fused_epilogue_ != 0) return fused_epilogue_ == 2;
+    return int64_t(num_tokens) * cfg_.topk >= int64_t(256) * cfg_.experts_per_rank();
+  }
 
   // Collective, after DispatchHandle::create: every rank learns whether planning the GEMMs and
   // configuring the megakernel worked on every rank. Why: a rank that returned alone would leave its

@@ -183,6 +183,7 @@ std::string LayerCase::describe() const {
   if (duplicate_experts) os << "/dup_experts";
   if (bf16_partials) os << "/bf16_partials";
   if (path == Path::kFused) os << "/fused";
+  if (fused_epilogue) os << "/" << fused_epilogue;
   return os.str();
 }
 
@@ -196,6 +197,7 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
   std::unique_ptr<MoELayer> layer;
   LayerConfig cfg = make_config(p);
   if (c.bf16_partials) cfg.combine_partials = PartialPrecision::kBFloat16;
+  if (c.fused_epilogue) setenv("EPMOE_FUSED_EPILOGUE", c.fused_epilogue, 1);  // this rank's process only
   EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -110,9 +110,47 @@ E2E_CASE(Qwen3Bf16Bf16Partials, kBothPaths, 240, {
   return c;
 })
 
+// ---- The megakernel's epilogue variants (docs/MEGAKERNEL.md) -------------------------------------
+// Each forces one variant on a routing with both full and partial tiles (Zipf: a few experts far
+// above 128 rows, many below), so the throughput variant's storer takes full L1 and L2 tiles while
+// the math warpgroups store the partial ones, and the L2 producers wait on readiness counts from
+// both. The fused result must still be bitwise the pipeline's.
+E2E_CASE(FusedDeferredEpilogueFp8, kBothPaths, 240, {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kZipf, {1024, 900});
+  c.fused_epilogue = "deferred";
+  return c;
+})
+E2E_CASE(FusedDeferredEpilogueBf16, kBothPaths, 240, {
+  LayerCase c = make(kQwen3, DType::kBF16, Routing::kZipf, {900, 1024});
+  c.fused_epilogue = "deferred";
+  return c;
+})
+// The inline (decode) variant where the per-call choice would take the deferred one.
+E2E_CASE(FusedInlineEpilogueManyTokens, kBothPaths, 240, {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {2100, 2048});
+  c.fused_epilogue = "inline";
+  return c;
+})
+// The per-call choice at a throughput token count (DSV3 slice, 1024+ tokens: deferred).
+E2E_CASE(Dsv3Fp8ManyTokens, kBothPaths, 240, {
+  LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {1100, 1024});
+  c.sample_per_rank = 12;
+  return c;
+})
+
 // ---- Repetition and graphs ----------------------------------------------------------------------
 E2E_CASE(ThousandCallsFreshRouting, kBothPaths, 400, {
   LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {96, 64});
+  c.shape = Shape{"small", 8, 512, 256, 4};
+  c.calls = 1000;
+  c.check_every = 100;
+  c.sample_per_rank = 96;
+  return c;
+})
+// The same with enough tokens that the fused path picks its throughput variant (small shape:
+// 8 experts per rank, K = 4, so 512+ tokens per rank average 256+ rows per expert).
+E2E_CASE(ThousandCallsFreshRoutingManyTokens, kBothPaths, 400, {
+  LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {640, 512});
   c.shape = Shape{"small", 8, 512, 256, 4};
   c.calls = 1000;
   c.check_every = 100;

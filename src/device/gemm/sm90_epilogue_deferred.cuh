@@ -138,17 +138,7 @@ struct Sm90EpilogueDeferredBf16 {
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       const uint32_t kept = info.w;
       if (rows_valid < 0) break;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = n_block * kBlockN + (j % 4) * 64;
-        if (col < p.n)
-          ptx::tma_store_2d(map_d, smem_s + Layout::out_slab(uint32_t(j), kept), col, row0 + (j / 4) * kWarpgroupM);
-      }
-      ptx::bulk_commit_group();
-      ptx::bulk_wait_group_read_0();
-      ptx::mbarrier_arrive_count_release_cta_s(smem_s + Layout::kBarOffset + uint32_t(kStages) * 8u + kept * 8u,
-                                               empty_arrivals);
-      ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
+      store_l2_tile<Layout, kStages>(p, map_d, smem_s, row0, n_block, kept, empty_arrivals);
     }
     // Why: the stores must have landed before the kernel ends; the proxy fence would matter to a
     // reader in the same kernel (none today: the fused kernel keeps its inline store).
@@ -170,7 +160,7 @@ struct Sm90EpilogueDeferredBf16 {
     if (!wait_drained<Layout>(smem_s, tile_count)) return false;
     if (wg == 0 && threadIdx.x % 128 == 0)
       ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset,
-                        make_uint4(uint32_t(t.row0), uint32_t(t.rows_valid), uint32_t(t.n_block), 0u));
+                        make_uint4(uint32_t(t.row0), uint32_t(t.rows_valid), uint32_t(t.n_block), kL1Tile));
     return true;
   }
   // Math side, every thread, after its smem writes: hand the tile to the storer.
@@ -194,21 +184,89 @@ struct Sm90EpilogueDeferredBf16 {
       const uint4 info = ptx::ld_shared_v4(smem_s + Layout::kTileInfoOffset);
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       if (rows_valid < 0) break;
-#pragma unroll
-      for (int w = 0; w < 2; ++w)
-        ptx::tma_store_2d(map_d, smem_s + Layout::epi_offset(uint32_t(w)), n_block * kHalfN, row0 + w * kWarpgroupM);
-      ptx::bulk_copy_s2g(p.out_scale + int64_t(n_block) * p.scale_stride + row0, smem_s + Layout::kEpiScaleOffset,
-                         kBlockM * 4);
-      ptx::bulk_commit_group();
-      ptx::bulk_wait_group_read_0();
-      ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
+      store_l1_tile<Layout>(p, map_d, smem_s, row0, n_block);
     }
     ptx::bulk_wait_group_0();
     ptx::fence_proxy_async_global();
     return true;
   }
 
+  // ---- The fused kernel's storer: its L1 and L2 tiles in one sequence. ---------------------------
+  // The math warpgroups stage the block's deferred L1 tiles, then its deferred L2 tiles, counting
+  // both in one tile_count, and send the end mark once after L2; the description's last word tells
+  // the two apart (kL1Tile, or the kept stage of an L2 tile). An L1 tile's rows are read next by
+  // L2 TMA loads on any SM, which wait until ready[row0 / 128] reaches kMathWarpgroups x n_tiles
+  // (sm90_grouped_gemm.cuh): the math warpgroups count their inline-stored (partial) tiles, and
+  // the storer counts a deferred tile with `l1_arrivals` once its stores have completed
+  // (wait_group 0, not .read), after a proxy fence, with one gpu-scope release.
+  // kL1Deferred: whether L1 tiles come at all (FP8; a BF16 L1 tile does not fit the staging).
+  template <class Layout, int kStages, bool kL1Deferred>
+  __device__ static bool drain_fused(const GroupedGemmParams& p1, const CUtensorMap* map_d1,
+                                     const GroupedGemmParams& p2, const CUtensorMap* map_d2, uint32_t* ready,
+                                     uint32_t l1_arrivals, uint32_t empty_arrivals, uint32_t& phase,
+                                     uint32_t& tile_count) {
+    const uint32_t smem_s = dyn_smem_base_s();
+    if constexpr (kL1Deferred) ptx::prefetch_tensormap(map_d1);  // not encoded otherwise
+    ptx::prefetch_tensormap(map_d2);
+    for (tile_count = 0;; ++tile_count) {
+      phase = tile_count & 1u;
+      if (!wait_sleeping(smem_s + Layout::kStagedBarOffset, phase)) return false;
+      const uint4 info = ptx::ld_shared_v4(smem_s + Layout::kTileInfoOffset);
+      const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
+      if (rows_valid < 0) break;
+      if (kL1Deferred && info.w == kL1Tile) {
+        store_l1_tile<Layout>(p1, map_d1, smem_s, row0, n_block);
+        // Why wait for completion here and not batch it: the next tile is staged a whole mainloop
+        // later, and an L2 producer elsewhere may be waiting for exactly these rows.
+        ptx::bulk_wait_group_0();
+        ptx::fence_proxy_async_global();
+        ptx::red_add_release_gpu(ready + row0 / kBlockM, l1_arrivals);
+      } else {
+        store_l2_tile<Layout, kStages>(p2, map_d2, smem_s, row0, n_block, info.w, empty_arrivals);
+      }
+    }
+    ptx::bulk_wait_group_0();
+    ptx::fence_proxy_async_global();
+    return true;
+  }
+
+  // An L1 tile's description word (an L2 tile's holds its kept stage, < kStages).
+  static constexpr uint32_t kL1Tile = ~0u;
+
  private:
+  // One full L2 tile: eight TMA stores of 64 x 64 slabs from the kept stage and the staging tiles;
+  // hands both back once the TMA unit has read them.
+  template <class Layout, int kStages>
+  __device__ static void store_l2_tile(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t smem_s, int row0,
+                                       int n_block, uint32_t kept, uint32_t empty_arrivals) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = n_block * kBlockN + (j % 4) * 64;
+      if (col < p.n)
+        ptx::tma_store_2d(map_d, smem_s + Layout::out_slab(uint32_t(j), kept), col, row0 + (j / 4) * kWarpgroupM);
+    }
+    ptx::bulk_commit_group();
+    ptx::bulk_wait_group_read_0();
+    ptx::mbarrier_arrive_count_release_cta_s(smem_s + Layout::kBarOffset + uint32_t(kStages) * 8u + kept * 8u,
+                                             empty_arrivals);
+    ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
+  }
+
+  // One full FP8 L1 tile: two TMA stores of the e4m3 codes, one bulk copy of the row scales; hands
+  // the staging tiles back once the TMA unit has read them.
+  template <class Layout>
+  __device__ static void store_l1_tile(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t smem_s, int row0,
+                                       int n_block) {
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+      ptx::tma_store_2d(map_d, smem_s + Layout::epi_offset(uint32_t(w)), n_block * kHalfN, row0 + w * kWarpgroupM);
+    ptx::bulk_copy_s2g(p.out_scale + int64_t(n_block) * p.scale_stride + row0, smem_s + Layout::kEpiScaleOffset,
+                       kBlockM * 4);
+    ptx::bulk_commit_group();
+    ptx::bulk_wait_group_read_0();
+    ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
+  }
+
   // Why not the ring's spinning wait: the storer waits through a whole mainloop per tile, and a
   // polling warp takes issue slots from the math warps on its sub-partition.
   __device__ static bool wait_sleeping(uint32_t bar, uint32_t parity) {

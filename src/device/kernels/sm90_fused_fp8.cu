@@ -5,9 +5,9 @@ namespace epmoe::fused {
 
 cudaError_t configure_sm90_fused_moe_fp8(int device, int* grid) { return configure_fused<true>(device, grid); }
 
-cudaError_t launch_sm90_fused_moe_fp8(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2,
-                                      const CUtensorMap& b2, const FusedMoeParams& p, int grid, cudaStream_t stream) {
-  return launch_fused<true>(a1, b1, a2, b2, p, grid, stream);
+cudaError_t launch_sm90_fused_moe_fp8(const FusedMoeMaps& maps, const FusedMoeParams& p, bool deferred, int grid,
+                                      cudaStream_t stream) {
+  return launch_fused<true>(maps, p, deferred, grid, stream);
 }
 
 }  // namespace epmoe::fused

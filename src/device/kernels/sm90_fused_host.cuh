@@ -12,7 +12,9 @@ namespace epmoe::fused {
 
 template <bool kFp8>
 cudaError_t configure_fused(int device, int* grid) {
-  using Cfg = FusedMoeConfig<kFp8>;
+  // Both variants have the same block, smem and so the same occupancy.
+  using Cfg = FusedMoeConfig<kFp8, false>;
+  static_assert(Cfg::kSmemBytes == FusedMoeConfig<kFp8, true>::kSmemBytes, "one grid serves both variants");
   // Why per device and locked: the attribute belongs to the function in one device's context,
   // and layers on different devices may be created from different threads.
   static std::mutex mu;
@@ -23,16 +25,23 @@ cudaError_t configure_fused(int device, int* grid) {
     *grid = grid_of[device];
     return cudaSuccess;
   }
-  cudaError_t e = cudaFuncSetAttribute(sm90_fused_moe_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       Cfg::kSmemBytes);
+  cudaError_t e = cudaFuncSetAttribute(sm90_fused_moe_kernel<kFp8, false>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(sm90_fused_moe_kernel<kFp8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   // The grid of a cooperative launch must be co-resident: SMs x the blocks per SM that the
   // occupancy API allows for this block size and smem (1 here). Every phase loops over its work
   // with a grid stride, so any such grid is correct.
-  int per_sm = 0, sms = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_fused_moe_kernel<kFp8>, Cfg::kThreads,
+  int per_sm = 0, per_sm_deferred = 0, sms = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_fused_moe_kernel<kFp8, false>, Cfg::kThreads,
                                                     Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_deferred, sm90_fused_moe_kernel<kFp8, true>,
+                                                    Cfg::kThreads, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  per_sm = per_sm < per_sm_deferred ? per_sm : per_sm_deferred;
   e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e != cudaSuccess) return e;
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
@@ -43,11 +52,14 @@ cudaError_t configure_fused(int device, int* grid) {
 }
 
 template <bool kFp8>
-cudaError_t launch_fused(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2, const CUtensorMap& b2,
-                         const FusedMoeParams& p, int grid, cudaStream_t stream) {
-  using Cfg = FusedMoeConfig<kFp8>;
-  return launch_cooperative(sm90_fused_moe_kernel<kFp8>, grid, Cfg::kThreads, size_t(Cfg::kSmemBytes), stream, a1, b1,
-                            a2, b2, p);
+cudaError_t launch_fused(const FusedMoeMaps& m, const FusedMoeParams& p, bool deferred, int grid,
+                         cudaStream_t stream) {
+  using Cfg = FusedMoeConfig<kFp8, false>;
+  if (deferred)
+    return launch_cooperative(sm90_fused_moe_kernel<kFp8, true>, grid, Cfg::kThreads, size_t(Cfg::kSmemBytes), stream,
+                              m.a1, m.b1, m.a2, m.b2, m.d1, m.d2, p);
+  return launch_cooperative(sm90_fused_moe_kernel<kFp8, false>, grid, Cfg::kThreads, size_t(Cfg::kSmemBytes), stream,
+                            m.a1, m.b1, m.a2, m.b2, m.d1, m.d2, p);
 }
 
 }  // namespace epmoe::fused

@@ -40,11 +40,19 @@ enum FusedPhase : int {
 cudaError_t configure_sm90_fused_moe_fp8(int device, int* grid);
 cudaError_t configure_sm90_fused_moe_bf16(int device, int* grid);
 
+// The tensor maps of one fused call, as built by the GEMM plans: a1/b1 L1's operands (pool x
+// rows, W1'), a2/b2 L2's (pool a rows, W2), d1/d2 the L1 / L2 output pools as the deferred
+// epilogues store them (d1 is only encoded, and only read, in FP8).
+struct FusedMoeMaps {
+  CUtensorMap a1, b1, a2, b2, d1, d2;
+};
+
 // One cooperative cudaLaunchKernelEx; returns its result and makes no other CUDA call.
-// a1/b1: L1's maps (pool x rows, W1'), a2/b2: L2's (pool a rows, W2), as built by the GEMM plans.
-cudaError_t launch_sm90_fused_moe_fp8(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2,
-                                      const CUtensorMap& b2, const FusedMoeParams& p, int grid, cudaStream_t stream);
-cudaError_t launch_sm90_fused_moe_bf16(const CUtensorMap& a1, const CUtensorMap& b1, const CUtensorMap& a2,
-                                       const CUtensorMap& b2, const FusedMoeParams& p, int grid, cudaStream_t stream);
+// deferred: the throughput variant (full tiles stored by the deferred epilogues' storer thread)
+// instead of the decode variant (inline stores); see FusedMoeConfig.
+cudaError_t launch_sm90_fused_moe_fp8(const FusedMoeMaps& maps, const FusedMoeParams& p, bool deferred, int grid,
+                                      cudaStream_t stream);
+cudaError_t launch_sm90_fused_moe_bf16(const FusedMoeMaps& maps, const FusedMoeParams& p, bool deferred, int grid,
+                                       cudaStream_t stream);
 
 }  // namespace epmoe::fused

@@ -54,13 +54,21 @@
 
 namespace epmoe::fused {
 
-template <bool kFp8>
+// kDeferred: the throughput variant. Full L2 tiles (and full L1 tiles in FP8) go out through the
+// deferred epilogues' storer thread (TMA stores; gemm/sm90_epilogue_deferred.cuh), as in the
+// standalone kernels. The decode variant (false) keeps the math warpgroups' inline stores: with
+// the deferred store this kernel spills more at tile boundaries and decode, whose tiles are all
+// partial and so never deferred, was 10 us slower (docs/GEMM.md note 19). The host picks one per
+// call from the token count (docs/MEGAKERNEL.md, configuration per regime).
+template <bool kFp8, bool kDeferred>
 struct FusedMoeConfig {
   // Why 4 stages: as in the standalone GEMMs (4 x 48.5 KB fills the 227 KB of smem).
-  using L1 = gemm::Sm90GroupedGemmConfig<kFp8, gemm::Sm90Epilogue::kSwiGLU, 4>;
-  // Why not the standalone L2's deferred store (kStoreBf16Deferred): with it this kernel spilled
-  // more at tile boundaries and decode was 10 us slower (docs/GEMM.md note 19).
-  using L2 = gemm::Sm90GroupedGemmConfig<kFp8, gemm::Sm90Epilogue::kStoreBf16, 4>;
+  using L1 = gemm::Sm90GroupedGemmConfig<
+      kFp8, (kDeferred && kFp8) ? gemm::Sm90Epilogue::kSwiGLUDeferred : gemm::Sm90Epilogue::kSwiGLU, 4>;
+  using L2 = gemm::Sm90GroupedGemmConfig<
+      kFp8, kDeferred ? gemm::Sm90Epilogue::kStoreBf16Deferred : gemm::Sm90Epilogue::kStoreBf16, 4>;
+  static constexpr bool kHasStorer = L2::kHasStorer;
+  static_assert(!L1::kHasStorer || kHasStorer, "one storer serves L1 and L2");
   using Layout = typename L1::Layout;
   using Mainloop = typename L1::Mainloop;
   static_assert(std::is_same_v<Layout, typename L2::Layout>, "L1 and L2 share one smem ring");
@@ -90,10 +98,14 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // L2 tile in every block's sequence. A math warpgroup defers each L1 tile's release until its
 // next L1 mainloop has run (whose loads the producer issued before any wait on a counter) and
 // flushes the last one when its L1 loop ends, so every release still happens.
+// The throughput variant's storer (thread 32, producer warpgroup) takes the block's deferred L1
+// tiles, then its deferred L2 tiles, in the order the math warpgroups stage them; it adds the
+// L1 tiles' readiness counts itself once their TMA stores completed.
 template <class L1, class L2>
-__device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CUtensorMap* b1,
+__device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CUtensorMap* b1, const CUtensorMap* d1,
                                                  const gemm::GroupedGemmParams& p1, const CUtensorMap* a2,
-                                                 const CUtensorMap* b2, const gemm::GroupedGemmParams& p2,
+                                                 const CUtensorMap* b2, const CUtensorMap* d2,
+                                                 const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  uint32_t* ready, unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
@@ -106,6 +118,15 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
       gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st);
       gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target);
     }
+    if constexpr (L2::kHasStorer) {
+      if (threadIdx.x == 32) {
+        uint32_t phase = 0, count = 0;
+        if (!gemm::Sm90EpilogueDeferredBf16::drain_fused<typename L2::Layout, L2::kStages, L1::kHasStorer>(
+                p1, d1, p2, d2, ready, uint32_t(gemm::kMathWarpgroups), uint32_t(gemm::kMathWarpgroups * 4), phase,
+                count))
+          pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(count));
+      }
+    }
     __syncwarp();
     // Why the named barrier first: setmaxnreg.inc retries in a loop (USETMAXREG.TRY_ALLOC +
     // branch) until the math warpgroups gave their registers back; spinning there through the
@@ -116,9 +137,10 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   }
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
-  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1>(p1, pipe, st, wg, ready);
+  // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
-  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg);
+  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
   // L1 tiles (decode) has had no other barrier since its inc.
@@ -133,19 +155,30 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
 // decode call (~30 us at 128 tokens per rank).
 inline constexpr int kPrefetchKBlocks = 8;
 
-template <bool kFp8>
+// map_d1 / map_d2: the L1 and L2 output pools as the deferred epilogues store them (used by the
+// throughput variant only).
+template <bool kFp8, bool kDeferred>
 __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     sm90_fused_moe_kernel(const __grid_constant__ CUtensorMap map_a1, const __grid_constant__ CUtensorMap map_b1,
                           const __grid_constant__ CUtensorMap map_a2, const __grid_constant__ CUtensorMap map_b2,
+                          const __grid_constant__ CUtensorMap map_d1, const __grid_constant__ CUtensorMap map_d2,
                           const __grid_constant__ FusedMoeParams p) {
-  using Cfg = FusedMoeConfig<kFp8>;
+  using Cfg = FusedMoeConfig<kFp8, kDeferred>;
   using Layout = typename Cfg::Layout;
   using Mainloop = typename Cfg::Mainloop;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
   const typename Mainloop::Pipe pipe = Mainloop::Pipe::at(bars, gemm::dyn_smem_base_s() + Layout::kBarOffset);
-  if (threadIdx.x == 0) pipe.init(gemm::kMathWarpgroups * 4);  // one arrive per math warp
+  if (threadIdx.x == 0) {
+    if constexpr (Cfg::kHasStorer) {
+      ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kStagedBarOffset),
+                         gemm::Sm90EpilogueDeferredBf16::kStagedArrivals);
+      ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kDrainedBarOffset),
+                         gemm::Sm90EpilogueDeferredBf16::kStorerThreads);
+    }
+    pipe.init(gemm::kMathWarpgroups * 4);  // one arrive per math warp (its fence covers the two above)
+  }
   __syncthreads();
 
   const layout::CommLocalLayout loc{p.dispatch.shape};
@@ -186,8 +219,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
 
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
-  fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(&map_a1, &map_b1, p.l1, &map_a2, &map_b2, p.l2, pipe, smem,
-                                                       ready, p.phase_ts);
+  fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(&map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2,
+                                                       p.l2, pipe, smem, ready, p.phase_ts);
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
 

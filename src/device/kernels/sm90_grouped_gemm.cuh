@@ -106,6 +106,7 @@ struct MathTilesResult {
   uint32_t stage = 0, phase = 0;
   int tile = 0;
   pipeline::WaitSite site = pipeline::WaitSite::kConsumerFull;
+  uint32_t tiles_staged = 0;  // deferred tiles handed to the storer so far (with the caller's start)
 };
 
 // Every thread of the math warpgroup `wg` (0 or 1), at the math budget. `done` (optional, the
@@ -115,11 +116,15 @@ struct MathTilesResult {
 // has run (or the loop ends): its proxy fence then finds the epilogue's stores drained instead of
 // waiting for them with the tensor cores idle (measured ~60 us per call at 4096 tokens per rank
 // when it followed each epilogue). Why no trap in here: see sm90_grouped_gemm_tiles.
-template <class Cfg>
+// Deferred tiles (Cfg::kHasStorer): `first_tile_count` is how many this block's storer has been
+// handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
+// storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
+// storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
+template <class Cfg, bool kEndStorer = true>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
-                                                           uint32_t* done = nullptr) {
+                                                           uint32_t* done = nullptr, uint32_t first_tile_count = 0) {
   using Mainloop = typename Cfg::Mainloop;
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
@@ -129,7 +134,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   int pending = -1;  // `done` index of the last stored tile whose release is deferred
   // Deferred tiles staged so far (the deferred epilogue's barrier phases): partial tiles, which
   // take the inline store, must not count, or the parities would no longer match the storer's.
-  uint32_t tile_count = 0;
+  uint32_t tile_count = first_tile_count;
   // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
   // warpgroup's barrier, then one cumulative release.
   const auto release_pending = [&] {
@@ -212,11 +217,13 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     if (done) pending = tile.row0 / kBlockM;
   }
   if (done && pending >= 0) release_pending();
-  if constexpr (Cfg::kHasStorer) {
+  if constexpr (Cfg::kHasStorer && kEndStorer) {
     if (!Sm90EpilogueDeferredBf16::finish<typename Cfg::Layout>(wg, dyn_smem_base_s(), tile_count))
       return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
   }
-  return MathTilesResult{};
+  MathTilesResult done_result;
+  done_result.tiles_staged = tile_count;
+  return done_result;
 }
 
 // The deferred epilogue's storer role: lane 0 of warp 1 of the producer warpgroup, at the producer
