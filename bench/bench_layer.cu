@@ -53,6 +53,7 @@ bool shape_by_name(const std::string& n, ShapeArgs* s) {
   if (n == "dsv3") *s = {n, 32, 7168, 2048, 8};
   else if (n == "qwen3") *s = {n, 64, 2048, 768, 8};
   else if (n == "top2") *s = {n, 16, 2048, 2048, 2};
+  else if (n == "dsv3full") *s = {n, -256, 7168, 2048, 8};  // 256 experts over the ranks (set below)
   else return false;
   return true;
 }
@@ -358,7 +359,7 @@ int run_layer(const std::vector<std::string>& args) {
   }
   Options o;
   if (!shape_by_name(f.str("shape", "dsv3"), &o.shape)) {
-    std::fprintf(stderr, "epmoe-bench layer: --shape must be dsv3, qwen3 or top2\n");
+    std::fprintf(stderr, "epmoe-bench layer: --shape must be dsv3, dsv3full, qwen3 or top2\n");
     return 2;
   }
   const std::string dt = f.str("dtype", "fp8");
@@ -398,6 +399,15 @@ int run_layer(const std::vector<std::string>& args) {
     std::fprintf(stderr, "epmoe-bench layer: bad --ranks\n");
     return 2;
   }
+  if (o.shape.experts_per_rank < 0) {  // a total expert count (dsv3full): split it over the ranks
+    const int total = -o.shape.experts_per_rank;
+    if (total % ranks != 0) {
+      std::fprintf(stderr, "epmoe-bench layer: --shape %s has %d experts, not divisible by %d ranks\n",
+                   o.shape.name.c_str(), total, ranks);
+      return 2;
+    }
+    o.shape.experts_per_rank = total / ranks;
+  }
   if (gpus < ranks || gpus == 0) {
     std::printf("epmoe-bench layer: needs %d GPU(s), %d visible. Nothing to measure here.\n", std::max(ranks, 1), gpus);
     return gpus == 0 ? 0 : 1;
@@ -428,6 +438,6 @@ int run_layer(const std::vector<std::string>& args) {
 
 }  // namespace
 
-EPMOE_BENCH_COMMAND("layer", "the whole MoE layer per rank: --shape dsv3|qwen3|top2 --dtype fp8|bf16 --tokens 1,128,4096 --path pipeline,fused --partials fp32|bf16", run_layer);
+EPMOE_BENCH_COMMAND("layer", "the whole MoE layer per rank: --shape dsv3|dsv3full|qwen3|top2 --dtype fp8|bf16 --tokens 1,128,4096 --path pipeline,fused --partials fp32|bf16", run_layer);
 
 }  // namespace epmoe::bench

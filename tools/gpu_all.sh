@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|profile|profile-fused|ab|diag|sanitize]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|profile|profile-fused|ab|diag|sanitize|ranks]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -73,6 +73,25 @@ if [ "$mode" = ab ]; then
       step "ab_layer_fp32p_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 128,4096
     done
   done
+  finish
+fi
+if [ "$mode" = ranks ]; then
+  # Every local GPU as one rank (the 4- and 8-GPU kinds): a subset of the e2e matrix and the
+  # dispatch/combine routings with EPMOE_TEST_RANKS = R, then the layer (DSV3 slice with 32
+  # experts per rank, and the full DSV3 with 256 experts over the ranks) and comm benchmarks.
+  R=$(nvidia-smi -L 2>/dev/null | wc -l)
+  cases='Dsv3Fp8ManyTokens:Qwen3Fp8:Qwen3Bf16:ZipfFp8:AllTokensToOneRank:ZeroTokensOnOneRank:UnequalTokens:CudaGraphReplay:FusedDeferredEpilogueFp8:ThousandCallsFreshRouting'
+  filter=$(echo "$cases" | tr ':' '\n' | sed 's/^/LayerE2E*./' | paste -sd:)
+  export EPMOE_TEST_RANKS=$R
+  step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$filter"
+  step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
+    --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
+  unset EPMOE_TEST_RANKS
+  step "ranks${R}_bench_layer" 90 "$bin/epmoe-bench" layer --ranks "$R" --path pipeline,fused \
+    --tokens 1,128,1024,4096,8192 --partials bf16
+  step "ranks${R}_bench_layer_dsv3full" 90 "$bin/epmoe-bench" layer --ranks "$R" --shape dsv3full \
+    --path pipeline,fused --tokens 1,128,4096 --partials bf16
+  step "ranks${R}_bench_comm" 120 "$bin/epmoe-bench" comm --ranks "$R" --tokens 128,4096
   finish
 fi
 if [ "$mode" = diag ]; then

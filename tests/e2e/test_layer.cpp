@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "e2e/layer_case.h"
 #include "mgpu/mgpu_util.h"
@@ -13,9 +14,21 @@ namespace {
 using ref::DType;
 using ref::Routing;
 
+// EPMOE_TEST_RANKS=N runs every case on N ranks instead of 2 (the 4- and 8-GPU runs); each case's
+// per-rank token counts repeat cyclically over the extra ranks.
+int test_ranks(int ranks) {
+  if (const char* env = std::getenv("EPMOE_TEST_RANKS")) {
+    const int n = std::atoi(env);
+    if (n >= 2) return n;
+  }
+  return ranks;
+}
+
 void run_case(LayerCase c, int ranks = 2, double timeout_s = 240) {
+  ranks = test_ranks(ranks);
   EPMOE_REQUIRE_RANKS(ranks);
   if (c.tokens.empty()) c.tokens.assign(ranks, 256);
+  for (size_t r = c.tokens.size(), n0 = c.tokens.size(); r < size_t(ranks); ++r) c.tokens.push_back(c.tokens[r % n0]);
   const uint64_t seed = ref::fresh_seed();
   std::printf("[e2e] %s seed=%llu\n", c.describe().c_str(), static_cast<unsigned long long>(seed));
   mgpu::run_on_ranks(ranks, [&](const RankContext& ctx) { return run_layer_case(ctx, c, seed); }, timeout_s);

@@ -101,7 +101,9 @@ Status run_cases(const RankContext& ctx, Communicator& comm_ref, const CaseShape
     const uint64_t cseed = ref::mix_seed(seed, ci);
     std::vector<RankData> all(R);
     for (int r = 0; r < R; ++r) {
-      all[r].T = c.tokens.empty() ? sh.T_max : c.tokens[r];
+      // Lists shorter than the rank count (cases written for 2 ranks, run on more with
+      // EPMOE_TEST_RANKS) repeat cyclically.
+      all[r].T = c.tokens.empty() ? sh.T_max : c.tokens[size_t(r) % c.tokens.size()];
       all[r].x = ref::random_x(all[r].T, H, ref::mix_seed(cseed, 1, r));
       all[r].routed = ref::make_routing(prob, c.routing, r, all[r].T, ref::mix_seed(cseed, 2));
       add_duplicates(c.duplicates, K, &all[r].routed);
