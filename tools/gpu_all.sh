@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|profile|profile-fused|ab|diag|sanitize|ranks]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|ab|diag|sanitize|ranks]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
 # GEMM on one GPU; diag: decode timing with and without graphs, an nsys trace, clock samples;
-# sanitize: racecheck and synccheck on the GEMM tests that reuse stages)
+# sanitize: racecheck and synccheck on the GEMM tests that reuse stages; single: everything that
+# runs on one GPU, for the one-GPU kinds)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -73,6 +74,27 @@ if [ "$mode" = ab ]; then
       step "ab_layer_fp32p_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 128,4096
     done
   done
+  finish
+fi
+if [ "$mode" = single ]; then
+  # One GPU (nvidia-h200 / nvidia-h100-x1): the unit and GEMM tests, the whole e2e matrix of both
+  # paths and the dispatch/combine routings at R = 1 (every kernel runs, the megakernel's ordering
+  # between its own blocks included; no NVLink traffic), then the GEMM benchmark and the layer at
+  # R = 1 with the megakernel's epilogue variant chosen per call, forced inline, forced deferred.
+  step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
+  step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
+  export EPMOE_TEST_RANKS=1
+  step r1_fused 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2EFused.*'
+  step r1_pipeline_comm 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*:DispatchCombine.*Routings'
+  unset EPMOE_TEST_RANKS
+  step bench_gemm 150 "$bin/epmoe-bench" gemm
+  for v in auto inline deferred; do
+    [ "$v" = auto ] && unset EPMOE_FUSED_EPILOGUE || export EPMOE_FUSED_EPILOGUE=$v
+    step "r1_layer_fp8_$v" 90 "$bin/epmoe-bench" layer --ranks 1 --path pipeline,fused \
+      --tokens 1,8,128,1024,4096,8192 --partials bf16
+  done
+  unset EPMOE_FUSED_EPILOGUE
+  step r1_layer_bf16 90 "$bin/epmoe-bench" layer --ranks 1 --path pipeline,fused --dtype bf16 --tokens 128,4096 --partials bf16
   finish
 fi
 if [ "$mode" = ranks ]; then
