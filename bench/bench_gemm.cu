@@ -74,28 +74,43 @@ std::vector<int> zipf_rows(int groups, int total, double s) {
   return r;
 }
 
-// Median milliseconds of fn over reps, each timing `iters` back-to-back calls.
-double time_ms(const std::function<void()>& fn, int iters, cudaStream_t s) {
-  for (int i = 0; i < 3; ++i) fn();
+// Median milliseconds of each fn over 5 reps, each rep timing `iters` back-to-back calls of one fn;
+// the fns take turns rep by rep. Why in turns: under the GPUs' power cap the clock drifts down over
+// a few hundred ms of FP8 work, and whichever kernel was timed later took the slower clock (the L1
+// kernel, timed after the L2 one, read 15-20% slower back to back while ncu measured the two within
+// 2% of each other in cycles, docs/PERFORMANCE.md); taking turns gives every kernel the same drift.
+// A null fn is skipped (its entry is NaN).
+std::vector<double> time_ms_turns(const std::vector<std::function<void()>>& fns, int iters, cudaStream_t s) {
+  for (const auto& fn : fns)
+    if (fn)
+      for (int i = 0; i < 3; ++i) fn();
   BENCH_CUDA(cudaStreamSynchronize(s));
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<float> t;
+  std::vector<std::vector<float>> t(fns.size());
   for (int rep = 0; rep < 5; ++rep) {
-    BENCH_CUDA(cudaEventRecord(a, s));
-    for (int i = 0; i < iters; ++i) fn();
-    BENCH_CUDA(cudaEventRecord(b, s));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms / iters);
+    for (size_t f = 0; f < fns.size(); ++f) {
+      if (!fns[f]) continue;
+      BENCH_CUDA(cudaEventRecord(a, s));
+      for (int i = 0; i < iters; ++i) fns[f]();
+      BENCH_CUDA(cudaEventRecord(b, s));
+      BENCH_CUDA(cudaEventSynchronize(b));
+      float ms = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+      t[f].push_back(ms / iters);
+    }
   }
   BENCH_CUDA(cudaGetLastError());
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  std::vector<double> med(fns.size(), NAN);
+  for (size_t f = 0; f < fns.size(); ++f) {
+    if (t[f].empty()) continue;
+    std::sort(t[f].begin(), t[f].end());
+    med[f] = t[f][t[f].size() / 2];
+  }
+  return med;
 }
 
 struct Buffers {
@@ -290,28 +305,29 @@ void bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s) {
   bool ok = true;
   auto ours_l2 = [&] { ok &= gemm::launch(plan_l2, s).ok(); };
   auto ours_l1 = [&] { ok &= gemm::launch(plan_l1, s).ok(); };
-  const double t2 = time_ms(ours_l2, iters, s);
-  const double t1 = time_ms(ours_l1, iters, s);
-  if (!ok) std::printf("  (a gemm call returned an error)\n");
-
-  double tref = NAN;
+  // cuBLASLt (FP8, block-scaled, per expert) or the grouped bf16 GEMM, timed in turns with ours.
+  LtFp8 lt;
+  GroupedBf16 gb;
+  std::function<void()> ref;
   std::string ref_note;
   if (fp8) {
-    LtFp8 lt;
     if (lt.setup(sh, b, offset, ss) && lt.run(s)) {
-      tref = time_ms([&] { lt.run(s); }, iters, s);
+      ref = [&] { lt.run(s); };
     } else {
       ref_note = lt.error.empty() ? "cuBLASLt call failed" : lt.error;
       cudaGetLastError();
     }
   } else {
-    GroupedBf16 gb;
     if (gb.setup(sh, b, offset) && gb.run(s)) {
-      tref = time_ms([&] { gb.run(s); }, iters, s);
+      ref = [&] { gb.run(s); };
     } else {
       ref_note = "cublasGemmGroupedBatchedEx failed";
     }
   }
+  const std::vector<double> tm = time_ms_turns({ours_l2, ours_l1, ref}, iters, s);
+  const double t2 = tm[0], t1 = tm[1], tref = tm[2];
+  if (!ok) std::printf("  (a gemm call returned an error)\n");
+
   const double tf2 = flops / (t2 * 1e9), tf1 = flops / (t1 * 1e9), tfr = flops / (tref * 1e9);
   std::printf("%-5s %-26s %9.3f %8.1f %8.0f | %9.3f %8.1f | %9.3f %8.1f %6.2f %s\n", fp8 ? "fp8" : "bf16",
               sh.name.c_str(), t2, tf2, bytes / (t2 * 1e6), t1, tf1, tref, tfr, tf2 / tfr, ref_note.c_str());
@@ -347,7 +363,8 @@ int run_gemm(const std::vector<std::string>& args) {
   if (quick) shapes.resize(2);
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("epmoe-bench gemm on %s (%d SMs); median of 5 x %d calls\n", prop.name, prop.multiProcessorCount, iters);
+  std::printf("epmoe-bench gemm on %s (%d SMs); median of 5 x %d calls, the kernels of a shape timed in turns\n",
+              prop.name, prop.multiProcessorCount, iters);
   std::printf("%-5s %-26s %9s %8s %8s | %9s %8s | %9s %8s %6s\n", "dtype", "shape (G,M,N,K)", "L2 ms", "TFLOP/s",
               "GB/s", "L1 ms", "TFLOP/s", "ref ms", "TFLOP/s", "ratio");
   cudaStream_t s;

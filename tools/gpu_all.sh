@@ -161,14 +161,20 @@ if [ "$mode" = profile-fused ]; then
   # the pipeline's L1 GEMM kernel at 4096 tokens (the same per-rank GEMM work as R = 2), sections
   # as text and per-instruction stall samples as CSV. Why: the fused path's L1 phase is slower
   # than the pipeline's L1 kernel (docs/MEGAKERNEL.md) and ncu cannot replay the 2-rank kernel.
-  for what in fused:sm90_fused_moe_kernel l1:ILb1ELNS0_12Sm90EpilogueE1E; do
-    name=${what%%:*} regex=${what#*:}
-    path=pipeline; [ "$name" = fused ] && path=fused
-    step "ncu_r1_$name" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
-      -k "regex:$regex" -c 1 --launch-skip 1 --section SpeedOfLight --section WarpStateStats \
-      --section SchedulerStats --section SourceCounters --import-source no -o "$out/ncu_r1_$name" \
-      "$bin/epmoe-bench" layer --ranks 1 --path "$path" --tokens 4096 --graph 0 --iters 2 --warmup 1 --sets 1
-    ncu_export "ncu_r1_$name"
+  # EPMOE_PROFILE_TOKENS (default 4096): the token counts to profile; at <= 128 tokens the
+  # pipeline's combine kernel is profiled instead of its L1 kernel (the decode gap is in combine).
+  for T in ${EPMOE_PROFILE_TOKENS:-4096}; do
+    second=l1:ILb1ELNS0_12Sm90EpilogueE3E
+    [ "$T" -le 128 ] && second=combine:combine
+    for what in fused:sm90_fused_moe_kernel $second; do
+      name=${what%%:*} regex=${what#*:}
+      path=pipeline; [ "$name" = fused ] && path=fused
+      step "ncu_r1_${name}_$T" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
+        -k "regex:$regex" -c 1 --launch-skip 1 --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section SourceCounters --import-source no -o "$out/ncu_r1_${name}_$T" \
+        "$bin/epmoe-bench" layer --ranks 1 --path "$path" --tokens "$T" --graph 0 --iters 2 --warmup 1 --sets 1
+      ncu_export "ncu_r1_${name}_$T"
+    done
   done
   finish
 fi
@@ -176,7 +182,8 @@ if [ "$mode" = profile ]; then
   # The L2 (plain-epilogue) FP8 kernel, then the L1 one, each at the first shape of --quick (the
   # bench runs 3 warm-up + 5 timed calls per kernel and shape with --iters 1): the sections as
   # text, and the per-instruction stall samples (SourceCounters) as a CSV of the SASS.
-  for kernel in E0 E1; do
+  # E1 = the L2 kernel (kStoreBf16Deferred), E3 = the L1 kernel (kSwiGLUDeferred): Sm90Epilogue's order.
+  for kernel in E1 E3; do
     step "ncu_fp8_$kernel" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
       -k "regex:ILb1ELNS0_12Sm90Epilogue${kernel}E" -c 1 --launch-skip 3 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
