@@ -130,10 +130,10 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
   if (stage == GemmStage::kL2)
     EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, false, g.max_rows, n, p.out_ld, 64,
                                             CU_TENSOR_MAP_L2_PROMOTION_NONE, "the output pool"));
-  // FP8 L1's deferred epilogue: e4m3 output with n / 2 channels, same 64-row boxes.
-  if (stage == GemmStage::kL1 && fp8)
-    EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, true, g.max_rows, n / 2, p.out_ld, 64,
-                                            CU_TENSOR_MAP_L2_PROMOTION_NONE, "the FP8 L1 output pool"));
+  // L1's deferred epilogue: e4m3 or bf16 output with n / 2 channels, same 64-row boxes.
+  if (stage == GemmStage::kL1)
+    EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, fp8, g.max_rows, n / 2, p.out_ld, 64,
+                                            CU_TENSOR_MAP_L2_PROMOTION_NONE, "the L1 output pool"));
   EPMOE_CUDA_RETURN(fp8 ? detail::configure_sm90_grouped_gemm_fp8(stage, plan.device)
                         : detail::configure_sm90_grouped_gemm_bf16(stage, plan.device));
   plan.fp8 = fp8;

@@ -1,6 +1,8 @@
-// Deferred plain epilogue (the standalone L2 kernel's full tiles): the math warpgroups hand a
-// tile's bf16 output to one storer thread through shared memory and go straight back to wgmma;
-// the storer writes it with TMA stores.
+// Deferred epilogues (the standalone L2 kernel's and both standalone L1 kernels' full tiles): the
+// math warpgroups hand a tile's output to one storer thread through shared memory and go straight
+// back to wgmma; the storer writes it with TMA stores. L2 and BF16 L1 tiles go through the kept
+// ring stage described below (BF16 L1: the SwiGLU activations, 128 x 128 bf16 = four slabs); FP8
+// L1 tiles through the staging tiles (further down).
 //
 //   math warpgroups (256 threads)                     storer (lane 0 of warp 1, producer warpgroup)
 //   mainloop, keeping the last K block's stage        wait "staged" (phase = tile count, sleeping)
@@ -61,46 +63,75 @@ struct Sm90EpilogueDeferredBf16 {
 
   // Math side: every thread of math warpgroup `wg` after a mainloop that kept the stage `kept`.
   // write: whether this warpgroup writes its slabs; with full tiles only (the caller's rule) both
-  // always do, and the storer stores all eight slabs. `tile_count`: deferred tiles this block
-  // staged before this one (partial tiles do not count). smem_s: the aligned dynamic smem base.
-  // Returns false if the previous tile never drained (bounded wait).
-  template <class Layout>
-  __device__ static bool stage(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
-                               int wg, bool write, uint32_t smem_s, uint32_t kept, uint32_t tile_count,
-                               uint32_t both_math_barrier) {
+  // always do, and the storer stores every slab. `tile_count`: deferred tiles this block staged
+  // before this one (partial tiles do not count). smem_s: the aligned dynamic smem base.
+  // write_slabs(): this warpgroup's smem writes of the tile. Returns false if the previous tile
+  // never drained (bounded wait).
+  template <class Layout, class WriteSlabs>
+  __device__ static bool stage_tile(const scheduler::GemmTile& t, int wg, bool write, uint32_t smem_s, uint32_t kept,
+                                    uint32_t tile_count, uint32_t both_math_barrier, const WriteSlabs& write_slabs) {
     if (!wait_drained<Layout>(smem_s, tile_count)) return false;
     // Why: the kept stage's B tile is read by both warpgroups' wgmma; neither may overwrite it
     // before the other's last batch completed.
     ptx::named_barrier_sync(both_math_barrier, 256);
-    const int tid = threadIdx.x % 128;
-    if (wg == 0 && tid == 0)
+    if (wg == 0 && threadIdx.x % 128 == 0)
       ptx::st_shared_v4(smem_s + Layout::kTileInfoOffset,
                         make_uint4(uint32_t(t.row0), uint32_t(t.rows_valid), uint32_t(t.n_block), kept));
     if (write) {
-      const int warp = tid / 32, lane = tid % 32;
-      const int m = lane / 8;  // the matrix whose row this lane addresses
-      const uint32_t r = uint32_t(warp * 16 + (m & 1) * 8 + lane % 8);
-#pragma unroll
-      for (int quarter = 0; quarter < 4; ++quarter) {
-        if (t.n_block * kBlockN + quarter * 64 >= p.n) continue;  // N is a multiple of 128
-        const uint32_t slab = smem_s + Layout::out_slab(uint32_t(wg * 4 + quarter), kept);
-        const int h = quarter / 2;
-#pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {
-          const int i = (quarter % 2) * 8 + 2 * pair;  // 8-column group within the N half
-          const float* a = acc + 64 * h + 4 * i;
-          const uint32_t c = uint32_t(2 * pair + (m >> 1));
-          ptx::stmatrix_x4(slab + r * 128u + ((c ^ (r & 7u)) * 16u), ptx::cvt_rn_bf16x2(a[0], a[1]),
-                           ptx::cvt_rn_bf16x2(a[2], a[3]), ptx::cvt_rn_bf16x2(a[4], a[5]),
-                           ptx::cvt_rn_bf16x2(a[6], a[7]));
-        }
-      }
+      write_slabs();
       // Why: TMA (async proxy) overwrites the kept stage next; these generic writes must not land
       // after it.
       ptx::fence_proxy_async_shared_cta();
     }
     ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kStagedBarOffset);
     return true;
+  }
+
+  // Quarter `quarter` (64 columns) of an N half `v` (one n128 accumulator fragment: v[4 i .. 4 i + 3]
+  // hold columns 8 i + 2 (lane % 4) + {0, 1} of rows r0 and r0 + 8) as bf16 into the 64 x 64 slab at
+  // slab_s (rows and 16-byte chunks as in the staging tiles), four stmatrix per thread.
+  __device__ static void stmatrix_quarter(const float* v, int quarter, uint32_t slab_s) {
+    const int tid = threadIdx.x % 128;
+    const int warp = tid / 32, lane = tid % 32;
+    const int m = lane / 8;  // the matrix whose row this lane addresses
+    const uint32_t r = uint32_t(warp * 16 + (m & 1) * 8 + lane % 8);
+#pragma unroll
+    for (int pair = 0; pair < 4; ++pair) {
+      const float* a = v + 4 * (quarter * 8 + 2 * pair);  // 8-column group within the N half
+      const uint32_t c = uint32_t(2 * pair + (m >> 1));
+      ptx::stmatrix_x4(slab_s + r * 128u + ((c ^ (r & 7u)) * 16u), ptx::cvt_rn_bf16x2(a[0], a[1]),
+                       ptx::cvt_rn_bf16x2(a[2], a[3]), ptx::cvt_rn_bf16x2(a[4], a[5]), ptx::cvt_rn_bf16x2(a[6], a[7]));
+    }
+  }
+
+  // The L2 tile: 64 x 256 fp32 per warpgroup -> four slabs (wg * 4 + quarter).
+  template <class Layout>
+  __device__ static bool stage(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+                               int wg, bool write, uint32_t smem_s, uint32_t kept, uint32_t tile_count,
+                               uint32_t both_math_barrier) {
+    return stage_tile<Layout>(t, wg, write, smem_s, kept, tile_count, both_math_barrier, [&] {
+#pragma unroll
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        if (t.n_block * kBlockN + quarter * 64 >= p.n) continue;  // N is a multiple of 128
+        stmatrix_quarter(acc + 64 * (quarter / 2), quarter % 2,
+                         smem_s + Layout::out_slab(uint32_t(wg * 4 + quarter), kept));
+      }
+    });
+  }
+
+  // The BF16 L1 tile: the SwiGLU activations of the warpgroup's 64 rows x 128 channels (computed by
+  // the caller, Sm90EpilogueSwiGLU::values) -> two slabs (wg * 2 + quarter), 32 KB per tile in the
+  // kept stage's A tile and half its B tile. Why the kept stage: a BF16 L1 tile is twice the FP8
+  // one and does not fit the 16 KB of staging tiles.
+  template <class Layout>
+  __device__ static bool stage_swiglu_bf16(const float (&a)[64], const scheduler::GemmTile& t, int wg, bool write,
+                                           uint32_t smem_s, uint32_t kept, uint32_t tile_count,
+                                           uint32_t both_math_barrier) {
+    return stage_tile<Layout>(t, wg, write, smem_s, kept, tile_count, both_math_barrier, [&] {
+#pragma unroll
+      for (int quarter = 0; quarter < 2; ++quarter)
+        stmatrix_quarter(a, quarter, smem_s + Layout::out_slab(uint32_t(wg * 2 + quarter), kept));
+    });
   }
 
   // Math side: until the last deferred tile (tile_count tiles staged so far) has drained.
@@ -126,7 +157,8 @@ struct Sm90EpilogueDeferredBf16 {
   // tiles are handed back once the TMA unit has read them (bulk wait_group.read), not when the
   // global writes land. empty_arrivals: what the ring's empty barriers count (one per math warp).
   // Returns false on a bounded-wait timeout; `phase` and `tile_count` then name it.
-  template <class Layout, int kStages>
+  // kSlabsPerWg: 4 for L2 tiles (256 output columns), 2 for BF16 L1 tiles (128 channels).
+  template <class Layout, int kStages, int kSlabsPerWg = 4>
   __device__ static bool drain(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t empty_arrivals,
                                uint32_t& phase, uint32_t& tile_count) {
     const uint32_t smem_s = dyn_smem_base_s();
@@ -138,7 +170,7 @@ struct Sm90EpilogueDeferredBf16 {
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       const uint32_t kept = info.w;
       if (rows_valid < 0) break;
-      store_l2_tile<Layout, kStages>(p, map_d, smem_s, row0, n_block, kept, empty_arrivals);
+      store_l2_tile<Layout, kStages, kSlabsPerWg>(p, map_d, smem_s, row0, n_block, kept, empty_arrivals);
     }
     // Why: the stores must have landed before the kernel ends; the proxy fence would matter to a
     // reader in the same kernel (none today: the fused kernel keeps its inline store).
@@ -199,7 +231,8 @@ struct Sm90EpilogueDeferredBf16 {
   // (sm90_grouped_gemm.cuh): the math warpgroups count their inline-stored (partial) tiles, and
   // the storer counts a deferred tile with `l1_arrivals` once its stores have completed
   // (wait_group 0, not .read), after a proxy fence, with one gpu-scope release.
-  // kL1Deferred: whether L1 tiles come at all (FP8; a BF16 L1 tile does not fit the staging).
+  // kL1Deferred: whether L1 tiles come at all (FP8; the fused kernel's BF16 L1 keeps the inline
+  // store, and a kept-stage L1 tile would need its readiness counted here too).
   template <class Layout, int kStages, bool kL1Deferred>
   __device__ static bool drain_fused(const GroupedGemmParams& p1, const CUtensorMap* map_d1,
                                      const GroupedGemmParams& p2, const CUtensorMap* map_d2, uint32_t* ready,
@@ -234,16 +267,20 @@ struct Sm90EpilogueDeferredBf16 {
   static constexpr uint32_t kL1Tile = ~0u;
 
  private:
-  // One full L2 tile: eight TMA stores of 64 x 64 slabs from the kept stage and the staging tiles;
-  // hands both back once the TMA unit has read them.
-  template <class Layout, int kStages>
+  // One full tile kept in a ring stage: 2 x kSlabsPerWg TMA stores of 64 x 64 slabs (L2: eight,
+  // from the kept stage and the staging tiles; BF16 L1: four, from the kept stage, whose p.n counts
+  // weight rows, twice its output channels); hands them back once the TMA unit has read them.
+  template <class Layout, int kStages, int kSlabsPerWg = 4>
   __device__ static void store_l2_tile(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t smem_s, int row0,
                                        int n_block, uint32_t kept, uint32_t empty_arrivals) {
+    static_assert(kSlabsPerWg == 4 || kSlabsPerWg == 2, "an L2 tile (256 columns) or a BF16 L1 tile (128)");
+    const int n_out = kSlabsPerWg == 4 ? p.n : p.n / 2;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = n_block * kBlockN + (j % 4) * 64;
-      if (col < p.n)
-        ptx::tma_store_2d(map_d, smem_s + Layout::out_slab(uint32_t(j), kept), col, row0 + (j / 4) * kWarpgroupM);
+    for (int j = 0; j < 2 * kSlabsPerWg; ++j) {
+      const int col = n_block * (kSlabsPerWg * 64) + (j % kSlabsPerWg) * 64;
+      if (col < n_out)
+        ptx::tma_store_2d(map_d, smem_s + Layout::out_slab(uint32_t(j), kept), col,
+                          row0 + (j / kSlabsPerWg) * kWarpgroupM);
     }
     ptx::bulk_commit_group();
     ptx::bulk_wait_group_read_0();

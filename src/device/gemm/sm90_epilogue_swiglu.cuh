@@ -38,19 +38,21 @@ __device__ __forceinline__ float silu_f32(float g) {
 template <bool kFp8, bool kToSmem = false>
 struct Sm90EpilogueSwiGLU {
   static_assert(kFp8 || !kToSmem, "the deferred L1 store is FP8 only");
-  __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
-                             int wg, uint32_t slab_s = 0, uint32_t scale_s = 0) {
-    const int warp = (threadIdx.x / 32) % 4;
-    const int lane = threadIdx.x % 32;
-    const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;
+  // This thread's first row in the tile (its second is r0 + 8).
+  __device__ static int first_row(int wg) {
+    return wg * kWarpgroupM + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;
+  }
+
+  // The activations a = silu(clamped gate) * clamped up * routing weight of this thread's 64
+  // channels, in the layout of one n128 accumulator half (a[i] pairs acc[i] with acc[64 + i]).
+  __device__ static void values(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+                                int r0, float (&a)[64]) {
     const bool valid0 = r0 < t.rows_valid;
     const bool valid1 = r0 + 8 < t.rows_valid;
     // Padding rows may hold NaN weights; they are never stored, so any value does.
     const float w0 = valid0 ? ptx::ld_cg_f32(p.row_weight + t.row0 + r0) : 0.0f;
     const float w1 = valid1 ? ptx::ld_cg_f32(p.row_weight + t.row0 + r0 + 8) : 0.0f;
     const float c = p.clamp;
-
-    float a[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
       float g = acc[i];
@@ -61,6 +63,15 @@ struct Sm90EpilogueSwiGLU {
       }
       a[i] = silu_f32(g) * u * ((i & 2) ? w1 : w0);
     }
+  }
+
+  __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+                             int wg, uint32_t slab_s = 0, uint32_t scale_s = 0) {
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    const int r0 = first_row(wg);
+    float a[64];
+    values(acc, p, t, r0, a);
 
     const int64_t out_col = int64_t(t.n_block) * kHalfN + 2 * (lane % 4);
     if constexpr (kFp8) {

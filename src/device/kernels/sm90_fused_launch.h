@@ -42,7 +42,7 @@ cudaError_t configure_sm90_fused_moe_bf16(int device, int* grid);
 
 // The tensor maps of one fused call, as built by the GEMM plans: a1/b1 L1's operands (pool x
 // rows, W1'), a2/b2 L2's (pool a rows, W2), d1/d2 the L1 / L2 output pools as the deferred
-// epilogues store them (d1 is only encoded, and only read, in FP8).
+// epilogues store them (d1 is read only by the FP8 kernel: the fused BF16 L1 stores inline).
 struct FusedMoeMaps {
   CUtensorMap a1, b1, a2, b2, d1, d2;
 };

@@ -47,7 +47,7 @@ cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap
 
 // Why 4 stages: 4 x 48.5 KB (FP8) or 4 x 48 KB (BF16) fills the 227 KB of smem.
 template <bool kFp8>
-using L1Config = Sm90GroupedGemmConfig<kFp8, kFp8 ? Sm90Epilogue::kSwiGLUDeferred : Sm90Epilogue::kSwiGLU, 4>;
+using L1Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kSwiGLUDeferred, 4>;
 template <bool kFp8>
 using L2Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kStoreBf16Deferred, 4>;
 

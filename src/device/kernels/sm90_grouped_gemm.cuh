@@ -41,9 +41,10 @@ namespace epmoe::gemm {
 
 // kStoreBf16: plain bf16 store by the math warpgroups (the fused kernel's L2); kStoreBf16Deferred:
 // the same output, full tiles stored with TMA by one storer thread of the producer warpgroup
-// (sm90_epilogue_deferred.cuh; the standalone L2 kernel); kSwiGLU: L1 (the fused kernel's, and
-// BF16); kSwiGLUDeferred: FP8 L1 whose full tiles' codes and scales the storer writes (the
-// standalone FP8 L1 kernel).
+// (sm90_epilogue_deferred.cuh; the standalone L2 kernel); kSwiGLU: L1 with the math warpgroups'
+// own stores (the fused kernel's BF16 L1 and decode variant); kSwiGLUDeferred: L1 whose full tiles
+// the storer writes (the standalone L1 kernels; FP8 codes and scales through the staging tiles,
+// BF16 activations through the kept ring stage, as L2).
 enum class Sm90Epilogue { kStoreBf16, kStoreBf16Deferred, kSwiGLU, kSwiGLUDeferred };
 
 inline constexpr int kNumThreads = 384;
@@ -67,10 +68,14 @@ struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU || kEpi == Sm90Epilogue::kSwiGLUDeferred;
-  static constexpr bool kDeferredStore = kEpi == Sm90Epilogue::kStoreBf16Deferred;
-  static constexpr bool kDeferredL1 = kEpi == Sm90Epilogue::kSwiGLUDeferred;
+  // Full tiles through a kept ring stage (L2; BF16 L1, whose 32 KB tile does not fit the staging
+  // tiles) or through the staging tiles (FP8 L1: 16 KB of codes plus row scales).
+  static constexpr bool kDeferredStore =
+      kEpi == Sm90Epilogue::kStoreBf16Deferred || (kEpi == Sm90Epilogue::kSwiGLUDeferred && !kFp8_);
+  static constexpr bool kDeferredL1 = kEpi == Sm90Epilogue::kSwiGLUDeferred && kFp8_;
   static constexpr bool kHasStorer = kDeferredStore || kDeferredL1;
-  static_assert(!kDeferredL1 || kFp8_, "the deferred L1 store is FP8 only (a BF16 tile does not fit the staging)");
+  // Slabs of 64 x 64 bf16 per math warpgroup in a kept-stage tile (Sm90EpilogueDeferredBf16::drain).
+  static constexpr int kSlabsPerWg = kSwiGLU ? 2 : 4;
   using Layout = Sm90SmemLayout<kFp8_, kStages_>;
   using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
@@ -178,8 +183,18 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       if (deferred) {
         // The stage of the last K block, kept by the mainloop: the one before st.
         const uint32_t kept = (st.index + uint32_t(Cfg::kStages) - 1u) % uint32_t(Cfg::kStages);
-        if (!Sm90EpilogueDeferredBf16::stage<typename Cfg::Layout>(acc, p, tile, wg, !idle, dyn_smem_base_s(), kept,
-                                                                   tile_count, kBothMathBarrier))
+        bool staged;
+        if constexpr (Cfg::kSwiGLU) {
+          // BF16 L1: the activations first (no smem touched), then the handoff.
+          float a[64];
+          Sm90EpilogueSwiGLU<false>::values(acc, p, tile, Sm90EpilogueSwiGLU<false>::first_row(wg), a);
+          staged = Sm90EpilogueDeferredBf16::stage_swiglu_bf16<typename Cfg::Layout>(
+              a, tile, wg, !idle, dyn_smem_base_s(), kept, tile_count, kBothMathBarrier);
+        } else {
+          staged = Sm90EpilogueDeferredBf16::stage<typename Cfg::Layout>(acc, p, tile, wg, !idle, dyn_smem_base_s(),
+                                                                         kept, tile_count, kBothMathBarrier);
+        }
+        if (!staged)
           return MathTilesResult{false, kept, (tile_count & 1u) ^ 1u, sched.next_linear,
                                  pipeline::WaitSite::kEpilogueDrained};
         ++tile_count;
@@ -235,8 +250,8 @@ __device__ __forceinline__ void sm90_storer_tiles(const GroupedGemmParams& p, co
   if constexpr (Cfg::kDeferredL1)
     ok = Sm90EpilogueDeferredBf16::drain_l1<typename Cfg::Layout>(p, map_d, phase, tile_count);
   else
-    ok = Sm90EpilogueDeferredBf16::drain<typename Cfg::Layout, Cfg::kStages>(p, map_d, kMathWarpgroups * 4, phase,
-                                                                             tile_count);
+    ok = Sm90EpilogueDeferredBf16::drain<typename Cfg::Layout, Cfg::kStages, Cfg::kSlabsPerWg>(
+        p, map_d, kMathWarpgroups * 4, phase, tile_count);
   if (!ok) pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(tile_count));
 }
 
