@@ -170,7 +170,7 @@ struct Sm90EpilogueDeferredBf16 {
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       const uint32_t kept = info.w;
       if (rows_valid < 0) break;
-      store_l2_tile<Layout, kStages, kSlabsPerWg>(p, map_d, smem_s, row0, n_block, kept, empty_arrivals);
+      store_kept_tile<Layout, kStages, kSlabsPerWg>(p, map_d, smem_s, row0, n_block, kept, empty_arrivals);
     }
     // Why: the stores must have landed before the kernel ends; the proxy fence would matter to a
     // reader in the same kernel (none today: the fused kernel keeps its inline store).
@@ -255,7 +255,7 @@ struct Sm90EpilogueDeferredBf16 {
         ptx::fence_proxy_async_global();
         ptx::red_add_release_gpu(ready + row0 / kBlockM, l1_arrivals);
       } else {
-        store_l2_tile<Layout, kStages>(p2, map_d2, smem_s, row0, n_block, info.w, empty_arrivals);
+        store_kept_tile<Layout, kStages>(p2, map_d2, smem_s, row0, n_block, info.w, empty_arrivals);
       }
     }
     ptx::bulk_wait_group_0();
@@ -271,7 +271,7 @@ struct Sm90EpilogueDeferredBf16 {
   // from the kept stage and the staging tiles; BF16 L1: four, from the kept stage, whose p.n counts
   // weight rows, twice its output channels); hands them back once the TMA unit has read them.
   template <class Layout, int kStages, int kSlabsPerWg = 4>
-  __device__ static void store_l2_tile(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t smem_s, int row0,
+  __device__ static void store_kept_tile(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t smem_s, int row0,
                                        int n_block, uint32_t kept, uint32_t empty_arrivals) {
     static_assert(kSlabsPerWg == 4 || kSlabsPerWg == 2, "an L2 tile (256 columns) or a BF16 L1 tile (128)");
     const int n_out = kSlabsPerWg == 4 ? p.n : p.n / 2;

@@ -37,7 +37,7 @@ __device__ __forceinline__ float silu_f32(float g) {
 // caller sends only full tiles).
 template <bool kFp8, bool kToSmem = false>
 struct Sm90EpilogueSwiGLU {
-  static_assert(kFp8 || !kToSmem, "the deferred L1 store is FP8 only");
+  static_assert(kFp8 || !kToSmem, "the staging-tile store is FP8 only (BF16 L1 tiles: values + the kept stage)");
   // This thread's first row in the tile (its second is r0 + 8).
   __device__ static int first_row(int wg) {
     return wg * kWarpgroupM + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;
