@@ -200,7 +200,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
         ++tile_count;
         continue;
       }
-      // The staging tiles below are slabs 6-7 of the last deferred tile: wait until they drained.
+      // L2: the staging tiles below are slabs 6-7 of the last deferred tile: wait until they drained.
+      // (BF16 L1's inline store uses no staging tile; the wait, once per partial tile, is harmless.)
       if (!Sm90EpilogueDeferredBf16::wait_drained<typename Cfg::Layout>(dyn_smem_base_s(), tile_count))
         return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear,
                                pipeline::WaitSite::kEpilogueDrained};
