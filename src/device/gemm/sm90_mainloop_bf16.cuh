@@ -51,7 +51,6 @@ struct Sm90Bf16Mainloop {
     static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
     static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");
     State prev = st;
-    bool released_ahead = false;
     uint32_t bars_s = smem_s + Layout::kBarOffset;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       // The loop-carried add keeps the base in a register (see the FP8 mainloop).
@@ -60,15 +59,6 @@ struct Sm90Bf16Mainloop {
       const uint32_t a_lo0 =
           smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
       const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
-      // Why look first: stage kb-1 goes back only after this wait (below, one behind). When stage
-      // kb is late, drain kb-1's wgmma and release it before blocking, so that a late feed does not
-      // also hold back the producer's next load.
-      if (kb > 0 && !pipe.consumer_test(bars_s, st)) {
-        ptx::wgmma_wait_group_sync_aligned<0>();
-        if (lane == 0) pipe.consumer_release(bars_s, prev);
-        ++prev;
-        released_ahead = true;
-      }
       if (!pipe.consumer_wait(bars_s, st)) {
         ptx::wgmma_wait_group_sync_aligned<0>();
         return false;
@@ -82,11 +72,10 @@ struct Sm90Bf16Mainloop {
                                             smem_desc_from_lo(b_lo + uint32_t(k * kWgmmaK * 2 / 16)), 1u);
       ptx::wgmma_commit_group_sync_aligned();
       ptx::wgmma_wait_group_sync_aligned<1>();
-      if (kb > 0 && !released_ahead) {
+      if (kb > 0) {
         if (lane == 0) pipe.consumer_release(bars_s, prev);
         ++prev;
       }
-      released_ahead = false;
       ++st;
     }
     ptx::wgmma_wait_group_sync_aligned<0>();

@@ -65,13 +65,7 @@ struct Sm90Fp8Mainloop {
     float tmp[64];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    if (num_k_blocks <= 0) return true;
 
-    // The first stage's weight scales and barrier; later stages' are taken inside the K loop,
-    // while the second half's wgmma runs (see below).
-    float sb0 = ptx::ld_nc_f32(sp0);
-    float sb1 = ptx::ld_nc_f32(sp1);
-    if (!pipe.consumer_wait(smem_s + Layout::kBarOffset, st)) return false;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       // Why a loop-carried add of zero: it makes smem_s a value that changes in the loop, so ptxas
       // keeps it in a register; otherwise, short of registers, it rematerialized the base on each
@@ -84,14 +78,14 @@ struct Sm90Fp8Mainloop {
           smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
       const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
       const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
-      const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
-      const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
-      // Stage st has arrived (waited for before the loop or during the previous K block).
+      // Why before the wait: the scale loads' latency hides behind the barrier wait.
+      const float sb0 = ptx::ld_nc_f32(sp0 + kb);
+      const float sb1 = ptx::ld_nc_f32(sp1 + kb);
+      if (!pipe.consumer_wait(bars_s, st)) return false;
       const float sa_lo = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA);
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
-      const bool more = kb + 1 < num_k_blocks;
-      bool next_ready = true;
-      float nsb0 = 0.0f, nsb1 = 0.0f;
+      const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
+      const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t bh_lo = b_lo + uint32_t(h) * ((kHalfN * Layout::kRowBytes) >> 4);
@@ -102,20 +96,6 @@ struct Sm90Fp8Mainloop {
           ptx::wgmma_m64n128k32_f32_e4m3_e4m3(tmp, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
                                               smem_desc_from_lo(bh_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
         ptx::wgmma_commit_group_sync_aligned();
-        if (h == 1 && more) {
-          // Why here: while the second half's wgmma runs, this warpgroup has nothing else to do.
-          // Loading the next stage's weight scales and looking at its barrier at the top of the
-          // next K block put them on the path between two wgmma batches, where the tensor pipe
-          // has only the other warpgroup's work. Why only a look (test_wait), and a blocking wait
-          // after the release below if the stage is late: a blocking wait here (measured: FP8
-          // kernels 3-5% slower) held back the release of st until st + 1 arrived, so a late
-          // feed also shrank the producer's lookahead by one stage.
-          State nx = st;
-          ++nx;
-          nsb0 = ptx::ld_nc_f32(sp0 + kb + 1);
-          nsb1 = ptx::ld_nc_f32(sp1 + kb + 1);
-          next_ready = pipe.consumer_test(bars_s, nx);
-        }
         ptx::wgmma_wait_group_sync_aligned<0>();
         ptx::fence_operands(tmp);
         // The scales are in registers and the tensor cores are done with the stage: hand it
@@ -126,15 +106,7 @@ struct Sm90Fp8Mainloop {
         // reports none): docs/GEMM.md note 20.
         if (h == 1) {
           __syncwarp();
-          if (lane == 0 && (!kKeepLast || more)) pipe.consumer_release(bars_s, st);
-          if (!next_ready) {
-            State nx = st;
-            ++nx;
-            if (!pipe.consumer_wait(bars_s, nx)) {
-              st = nx;  // the stage that never arrived
-              return false;
-            }
-          }
+          if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
         }
 
         const float sb = h == 0 ? sb0 : sb1;
@@ -149,8 +121,6 @@ struct Sm90Fp8Mainloop {
         }
       }
       ++st;
-      sb0 = nsb0;
-      sb1 = nsb1;
     }
     return true;
   }

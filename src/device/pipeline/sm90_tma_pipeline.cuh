@@ -69,10 +69,6 @@ struct TmaPipeline {
   __device__ __forceinline__ bool consumer_wait(uint32_t bars_s, const State& st) const {
     return mbarrier_wait_bounded_s(bars_s + st.index * 8u, st.phase);
   }
-  // One non-blocking look at the stage: true if it has already arrived (acquire, as a wait).
-  __device__ __forceinline__ bool consumer_test(uint32_t bars_s, const State& st) const {
-    return ptx::mbarrier_test_wait_parity_acquire_cta_s(bars_s + st.index * 8u, st.phase);
-  }
   __device__ __forceinline__ void consumer_release(uint32_t bars_s, const State& st) const {
     ptx::mbarrier_arrive_release_cta_s(bars_s + uint32_t(kStages) * 8u + st.index * 8u);
   }

@@ -49,22 +49,6 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta_s(uint32_t 
   return done != 0;
 }
 
-// Non-blocking: true if the phase with the given parity has completed, false at once otherwise
-// (try_wait may instead suspend the thread for a while when the phase is not complete).
-__device__ __forceinline__ bool mbarrier_test_wait_parity_acquire_cta_s(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
 // One probe of the phase with the given parity; true once that phase has completed.
 __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta(uint64_t* bar, uint32_t parity) {
   return mbarrier_try_wait_parity_acquire_cta_s(smem_u32(bar), parity);
