@@ -107,7 +107,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const CUtensorMap* b2, const CUtensorMap* d2,
                                                  const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
-                                                 uint32_t* ready, unsigned long long* phase_ts, int preissued_b) {
+                                                 uint32_t* ready, unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   typename L1::Mainloop::State st{};
   if (threadIdx.x / 128 == gemm::kProducerWarpgroup) {
@@ -115,7 +115,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
     if (threadIdx.x == 0) {
       // Why here as well: dispatch wrote x_pool with generic stores before the grid barrier.
       ptx::fence_proxy_async_global();
-      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, nullptr, 0, preissued_b);
+      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st);
       gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target);
     }
     if constexpr (L2::kHasStorer) {
@@ -150,11 +150,9 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   if (!r.ok) pipeline::report_timeout(r.site, r.stage, r.phase, r.tile);
 }
 
-// During the pull, each block loads the first kStages K blocks of its first L1 weight tile into
-// its ring's B tiles (which the dispatch does not use; its scratch is in the A tiles) and asks L2
-// for the next kPrefetchKBlocks: 8 x 32 KB x 132 blocks = 34 MB, under the 50 MB L2 and streamed
-// in ~10 us, well within the pull of a decode call (~30 us at 128 tokens per rank). 12 K blocks
-// into L2 (51 MB) was slower: the prefetch evicted itself (seventh session).
+// K blocks of its first L1 weight tile each block prefetches into L2 during the pull: 8 x 32 KB x
+// 132 blocks = 34 MB, under the 50 MB L2 and streamed in ~10 us, well within the pull of a
+// decode call (~30 us at 128 tokens per rank).
 inline constexpr int kPrefetchKBlocks = 8;
 
 // map_d1 / map_d2: the L1 and L2 output pools as the deferred epilogues store them (used by the
@@ -194,13 +192,9 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // Dispatch: tokens from every source into this rank's expert pool. Once the expert segments
   // are known, each block asks L2 for the first K blocks of its first L1 weight tile, so HBM
   // streams weights while the pull moves tokens (decode is weight-bound; the pull is not).
-  int preissued_b = 0;  // thread 0: K blocks of the first L1 tile whose B load is already issued
   const auto prefetch_first_weights = [&](const auto& segment_rows) {
     using Sched = typename Cfg::L1::Scheduler;
     const int n_tiles = (p.l1.n + gemm::kBlockN - 1) / gemm::kBlockN;
-    // The scheduler counts ceil(rows / 128) m-blocks per expert; segment_rows / 128 is that only
-    // when segments are aligned to exactly 128 rows (the layer's pool).
-    if (p.dispatch.pool_layout.s.row_align != gemm::kBlockM) return;
     int local = int(blockIdx.x);
     for (int e = 0; e < p.l1.num_groups; ++e) {
       // Exact: the layer's pool aligns segments to 128 rows, so a segment holds ceil(count / 128)
@@ -212,15 +206,9 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       }
       int m_block = 0, n_block = 0;
       Sched::locate(local, m_blocks, n_tiles, m_block, n_block);
-      const int k_blocks = p.l1.k / Cfg::L1::kBlockK;
-      const int b_row = e * p.l1.n + n_block * gemm::kBlockN;
-      const int pre = min(Cfg::L1::kStages, k_blocks);
-      // The producer role (this thread) starts the L1 ring at its first stage: the same stages.
-      typename Cfg::L1::Producer early{nullptr, &map_b1, &p.l1, pipe, smem,
-                                       typename Cfg::L1::Scheduler(nullptr, nullptr, 0, n_tiles)};
-      if (early.preissue_b(b_row, pre)) preissued_b = pre;
-      for (int kb = pre; kb < min(pre + kPrefetchKBlocks, k_blocks); ++kb)
-        ptx::tma_prefetch_2d_l2(&map_b1, kb * Cfg::L1::kBlockK, b_row);
+      const int k_blocks = min(kPrefetchKBlocks, p.l1.k / Cfg::L1::kBlockK);
+      for (int kb = 0; kb < k_blocks; ++kb)
+        ptx::tma_prefetch_2d_l2(&map_b1, kb * Cfg::L1::kBlockK, e * p.l1.n + n_block * gemm::kBlockN);
       return;
     }
   };
@@ -232,7 +220,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
 
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(&map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2,
-                                                       p.l2, pipe, smem, ready, p.phase_ts, preissued_b);
+                                                       p.l2, pipe, smem, ready, p.phase_ts);
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
 

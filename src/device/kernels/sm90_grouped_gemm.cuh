@@ -90,19 +90,18 @@ struct Sm90GroupedGemmConfig {
 // consumed (math), which are equal. Why carried states: the fused kernel runs L1 and then L2 on
 // the same ring and barriers, so L2 continues at the phase L1 stopped at.
 
-// Thread 0 only, at the producer budget. `ready`/`target`/`preissued_b`: see Sm90TmaProducer::run.
+// Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
 template <class Cfg>
 __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                                     const GroupedGemmParams& p,
                                                     const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
                                                     typename Cfg::Mainloop::State& st,
-                                                    const uint32_t* ready = nullptr, uint32_t target = 0,
-                                                    int preissued_b = 0) {
+                                                    const uint32_t* ready = nullptr, uint32_t target = 0) {
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
                                   typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
   producer.st = st;
-  producer.run(ready, target, preissued_b);
+  producer.run(ready, target);
   st = producer.st;
 }
 
