@@ -29,7 +29,10 @@ step() {  # step NAME LIMIT_S CMD...
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  summary+=("$name: $([ $rc = 0 ] && echo ok || echo "FAILED rc=$rc") ($((SECONDS - t0)) s)")
+  local verdict; verdict=$([ $rc = 0 ] && echo ok || echo "FAILED rc=$rc")
+  # Why: a test that finds too few GPUs exits 0 after printing SKIPPED; it must not read as passed.
+  [ $rc = 0 ] && grep -q '^SKIPPED' "$out/$name.log" && verdict="SKIPPED (see its log)"
+  summary+=("$name: $verdict ($((SECONDS - t0)) s)")
   tail -n 25 "$out/$name.log"
   save
 }
@@ -78,7 +81,8 @@ if [ "$mode" = ab ]; then
 fi
 if [ "$mode" = single ]; then
   # One GPU (nvidia-h200 / nvidia-h100-x1): the unit and GEMM tests, the whole e2e matrix of both
-  # paths and the dispatch/combine routings at R = 1 (every kernel runs, the megakernel's ordering
+  # paths, the bad-input case, the dispatch/combine routings and the 10,000-call soak at R = 1, the
+  # Python package on one rank (every kernel runs, the megakernel's ordering
   # between its own blocks included; no NVLink traffic), then the GEMM benchmark and the layer at
   # R = 1 with the megakernel's epilogue variant chosen per call, forced inline, forced deferred.
   step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
@@ -86,7 +90,15 @@ if [ "$mode" = single ]; then
   export EPMOE_TEST_RANKS=1
   step r1_fused 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2EFused.*'
   step r1_pipeline_comm 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*:DispatchCombine.*Routings'
+  step r1_soak 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerSoak.*'
   unset EPMOE_TEST_RANKS
+  # The Python package (the wheel that stage_gpu.sh built) on one rank.
+  whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
+  if [ -n "$whl" ]; then
+    step python_binding 150 /bin/bash python/tests/gpu_run.sh --wheel "$whl" 1
+  else
+    step python_binding 150 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so" 1
+  fi
   step bench_gemm 150 "$bin/epmoe-bench" gemm
   for v in auto inline deferred; do
     [ "$v" = auto ] && unset EPMOE_FUSED_EPILOGUE || export EPMOE_FUSED_EPILOGUE=$v

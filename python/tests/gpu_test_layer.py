@@ -586,9 +586,12 @@ def main():
     except ImportError:
         print("SKIPPED: torch is not installed")
         return 0
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    # As many GPUs as ranks: WORLD_SIZE under torchrun, --nproc otherwise (1 runs every check on one
+    # GPU, without cross-GPU traffic).
+    want = max(1, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.nproc)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < want:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        print(f"SKIPPED: needs 2 GPUs, found {n}")
+        print(f"SKIPPED: needs {want} GPUs, found {n}")
         return 0
     if "RANK" in os.environ:  # under torchrun
         return 1 if run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
