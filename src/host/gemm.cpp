@@ -4,7 +4,6 @@
 #include <cuda.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
 
 #include "device/gemm/sm90_gemm_params.h"
@@ -123,13 +122,12 @@ GroupedGemmParams base_params(const GroupedArgs& g, int n, int k) {
 Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a, const void* b, int n, int k,
                   const GroupedGemmParams& p, GemmPlan* out) {
   GemmPlan plan;
-  plan.tile_n = stage == GemmStage::kL2N192 ? 192 : kBlockN;
   EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a, a, fp8, g.max_rows, k, k, kBlockM,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations"));
-  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, plan.tile_n,
+  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, kBlockN,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights"));
-  if (stage == GemmStage::kL2 || stage == GemmStage::kL2N192)
+  if (stage == GemmStage::kL2)
     EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, false, g.max_rows, n, p.out_ld, 64,
                                             CU_TENSOR_MAP_L2_PROMOTION_NONE, "the output pool"));
   // L1's deferred epilogue: e4m3 or bf16 output with n / 2 channels, same 64-row boxes.
@@ -226,25 +224,11 @@ Status plan_l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_
   return build_plan(fp8, GemmStage::kL1, g, x, w1, 2 * inter, hidden, p, out);
 }
 
-int l2_tile_n(DType dtype, int, int) {
-  if (dtype != DType::kFP8) return kBlockN;
-  // Read once: a plan must not change with the environment between calls.
-  static const int forced = [] {
-    const char* env = std::getenv("EPMOE_L2_TILE_N");
-    if (env == nullptr) return 0;
-    const int v = std::atoi(env);
-    return v == 192 || v == 256 ? v : 0;
-  }();
-  return forced != 0 ? forced : kBlockN;
-}
-
 Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale, const void* w2,
-               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out, int tile_n) {
+               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out) {
   const bool fp8 = dtype == DType::kFP8;
   if (out == nullptr) return invalid("gemm::l2: the plan output is null");
   if (dtype != DType::kFP8 && dtype != DType::kBF16) return invalid("gemm::l2: unknown dtype ", int(dtype));
-  if (tile_n != 0 && tile_n != 256 && !(tile_n == 192 && fp8))
-    return invalid("gemm::l2: tile_n=", tile_n, " must be 0 (the plan chooses), 256, or 192 with FP8");
   EPMOE_RETURN_IF_ERROR(check_args("gemm::l2", g, hidden, inter, fp8));
   EPMOE_RETURN_IF_ERROR(check_ptr("gemm::l2", "a", a));
   EPMOE_RETURN_IF_ERROR(check_ptr("gemm::l2", "w2", w2));
@@ -258,13 +242,12 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
   p.b_scale = fp8 ? w2_scale : nullptr;
   p.out = o;
   p.out_ld = hidden;
-  if (tile_n == 0) tile_n = l2_tile_n(dtype, inter, hidden);
-  return build_plan(fp8, tile_n == 192 ? GemmStage::kL2N192 : GemmStage::kL2, g, a, w2, hidden, inter, p, out);
+  return build_plan(fp8, GemmStage::kL2, g, a, w2, hidden, inter, p, out);
 }
 
 Status launch(const GemmPlan& plan, cudaStream_t stream) {
   if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
-  const GemmStage stage = plan.l1 ? GemmStage::kL1 : plan.tile_n == 192 ? GemmStage::kL2N192 : GemmStage::kL2;
+  const GemmStage stage = plan.l1 ? GemmStage::kL1 : GemmStage::kL2;
   EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d,
                                                                      plan.params, plan.grid, stream)
                              : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.map_d,

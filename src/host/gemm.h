@@ -80,7 +80,6 @@ struct GemmPlan {
   int device = -1;  // CUDA device the plan was built for; -1: empty (launch rejects it)
   bool fp8 = false;
   bool l1 = false;  // L1 (SwiGLU epilogue) or L2 (bf16 store)
-  int tile_n = 256; // output columns per tile: 256, or 192 for the FP8 L2 kernel's variant
   int grid = 0;     // persistent blocks: one per SM
   CUtensorMap map_a{};  // pool activations [max_rows][k]
   CUtensorMap map_b{};  // weights [num_groups * n][k]
@@ -95,14 +94,8 @@ struct GemmPlan {
 Status plan_l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_scale, const void* w1,
                const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp,
                bool pow2_scales, void* a, float* a_scale, GemmPlan* out);
-// tile_n (L2): 0 lets the plan choose (l2_tile_n), 256 or 192 (FP8 only) force one. The megakernel
-// reads the L2 plan's weight map with 256-row boxes, so the layer asks for 256 there.
 Status plan_l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
-               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out, int tile_n = 0);
-
-// The L2 tile width plan_l2 picks when not told: 192 for FP8 where it measured faster
-// (docs/GEMM.md note 26), 256 otherwise. EPMOE_L2_TILE_N=192|256 overrides it (benchmarks, tests).
-int l2_tile_n(DType dtype, int inter, int hidden);
+               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out);
 
 // Enqueues the planned kernel on `stream` (cudaLaunchKernelEx; no other CUDA call). The plan's
 // device must be current. Fails only on an empty plan or when the launch itself fails.

@@ -82,13 +82,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (planned.ok())
       planned = gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
                               static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_);
-    // The megakernel's L2 runs 256-column tiles: it needs a weight map with 256-row boxes.
-    if (planned.ok())
-      planned = plan_l2_.tile_n == 256
-                    ? Status::Ok()
-                    : gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
-                                    static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_fused_, 256);
-    if (planned.ok() && plan_l2_.tile_n == 256) plan_l2_fused_ = plan_l2_;
     // Why not fail create: the pipeline works without the megakernel; forward(kFused) reports this.
     fused_status_ = planned.ok() ? configure_fused() : Status::Ok();
     // Benchmark / A-B switch for the megakernel's epilogue variant (docs/MEGAKERNEL.md): "inline"
@@ -179,7 +172,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fused::FusedMoeParams fp;
       fp.dispatch = detail::DispatchAccess::dispatch_params(*dispatch_, x, topk_idx, topk_weights, num_tokens);
       fp.l1 = plan_l1_.params;
-      fp.l2 = plan_l2_fused_.params;
+      fp.l2 = plan_l2_.params;
       fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
       fp.phase_ts = nullptr;
       if (timing_) {
@@ -190,8 +183,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
         if (!z.ok()) return timing_failed(z);
         fp.phase_ts = static_cast<unsigned long long*>(phase_ts_.ptr);
       }
-      const fused::FusedMoeMaps maps{plan_l1_.map_a, plan_l1_.map_b, plan_l2_fused_.map_a,
-                                     plan_l2_fused_.map_b, plan_l1_.map_d, plan_l2_fused_.map_d};
+      const fused::FusedMoeMaps maps{plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a,
+                                     plan_l2_.map_b, plan_l1_.map_d, plan_l2_.map_d};
       const bool deferred = fused_deferred(num_tokens);
       const cudaError_t e = cfg_.dtype == DType::kFP8
                                 ? fused::launch_sm90_fused_moe_fp8(maps, fp, deferred, fused_grid_, stream)
@@ -299,7 +292,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   DeviceBuffer phase_ts_;           // the megakernel's phase stamps (stage timing of Path::kFused)
   Path last_path_ = Path::kPipeline;
   gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
-  gemm::GemmPlan plan_l2_fused_;       // plan_l2_ with 256-column tiles, for the megakernel's maps
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel
   int fused_epilogue_ = 0;            // 0: per call (fused_deferred), 1: inline, 2: deferred

@@ -32,7 +32,6 @@ struct Case {
   float clamp = 0.0f;
   bool pow2 = false;
   bool exact = false;  // small-integer operands: the fp32 GEMM is exact, the epilogue must match ~bit for bit
-  int l2_tile_n = 0;   // L2: 0 lets the plan choose, 256 or 192 force a tile width
 };
 
 template <class T>
@@ -205,11 +204,8 @@ void run_case(const Case& c, uint64_t seed) {
   } else {
     EPMOE_OK(gemm::prepare_w2(c.dtype, d_w.ptr, fp8 ? d_ws.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr, G,
                               c.hidden, c.inter, stream));
-    gemm::GemmPlan plan;
-    EPMOE_OK(gemm::plan_l2(c.dtype, args, d_a.ptr, fp8 ? d_as.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr,
-                           c.inter, c.hidden, d_out.ptr, &plan, c.l2_tile_n));
-    if (c.l2_tile_n != 0) EXPECT_EQ(plan.tile_n, c.l2_tile_n);
-    EPMOE_OK(gemm::launch(plan, stream));
+    EPMOE_OK(gemm::l2(c.dtype, args, d_a.ptr, fp8 ? d_as.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr,
+                      c.inter, c.hidden, d_out.ptr, stream));
   }
   EPMOE_CUDA_OK(cudaStreamSynchronize(stream));
   EPMOE_CUDA_OK(cudaGetLastError());
@@ -376,23 +372,6 @@ TEST(GemmManyTilesPerBlock, DeferredAndPartialTilesMix) {
   const std::vector<int> counts = {24 * 128, 3 * 128 + 3, 0, 130, 5 * 128 + 127, 1};
   for (DType d : {DType::kFP8, DType::kBF16})
     for (bool l1 : {false, true}) run_case(Case{d, l1, counts, 1024, 640}, fresh_seed());
-}
-
-// The FP8 L2 kernel's 192-column tiles, whatever the default: N = 128 (one tile, 64 columns past N),
-// 384 (two tiles, even and odd n_block, whose weight scales switch after column 128 and 64), 640
-// (an odd last tile that is partial) and 1152 (six tiles); several tiles per block with full and
-// partial rows, K = 640 (5 K blocks on its 5-stage ring, so the kept stage does not move) and 768.
-TEST(GemmL2Tile192, MatchesFloat64Reference) {
-  EPMOE_REQUIRE_GPUS(1);
-  for (int hidden : {128, 384, 640, 1152})
-    for (int inter : {640, 768}) {
-      Case c{DType::kFP8, false, {24 * 128, 3 * 128 + 3, 0, 130, 1}, hidden, inter};
-      c.l2_tile_n = 192;
-      run_case(c, fresh_seed());
-    }
-  Case c{DType::kFP8, false, edge_counts(DType::kFP8), 384, 128};
-  c.l2_tile_n = 192;
-  run_case(c, fresh_seed());
 }
 
 // The layer's use of a plan: built once, launched on several calls whose expert counts change on

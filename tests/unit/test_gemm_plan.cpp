@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <string>
 
 #include "host/gemm.h"
 
@@ -59,23 +58,6 @@ TEST(GemmPlan, RejectsBadShapes) {
     g.expert_offset = nullptr;
     EXPECT_EQ(l1_code(dt, g, 128, 128), StatusCode::kInvalidArgument);
   }
-}
-
-// The L2 tile width: 0 (the plan chooses), 256, or 192 with FP8 only.
-TEST(GemmPlan, RejectsBadL2TileWidth) {
-  const auto g = good_args();
-  for (int tile_n : {100, 128, 320, -1}) {
-    gemm::GemmPlan plan;
-    EXPECT_EQ(gemm::plan_l2(DType::kFP8, g, kP, kF, kP, kF, 128, 256, const_cast<void*>(kP), &plan, tile_n).code(),
-              StatusCode::kInvalidArgument)
-        << "tile_n=" << tile_n;
-    EXPECT_EQ(plan.device, -1);
-  }
-  gemm::GemmPlan plan;
-  const auto st = gemm::plan_l2(DType::kBF16, g, kP, nullptr, kP, nullptr, 128, 256, const_cast<void*>(kP), &plan, 192);
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("tile_n=192"), std::string::npos) << st.to_string();
-  EXPECT_EQ(gemm::l2_tile_n(DType::kBF16, 2048, 7168), 256);
 }
 
 TEST(GemmPlan, RejectsBadScaleStride) {

@@ -1,4 +1,4 @@
-// Plain epilogue (L2): one warpgroup's 64 x 256 (or 64 x 192) fp32 block -> bf16 rows of the output pool.
+// Plain epilogue (L2): one warpgroup's 64 x 256 fp32 block -> bf16 rows of the output pool.
 // Rows past the expert's count are padding and are not written.
 //
 // Through smem, one 64-column quarter at a time: each thread writes its bf16 pairs into the
@@ -26,9 +26,7 @@ namespace epmoe::gemm {
 struct Sm90EpilogueStoreBf16 {
   // stage_s: this warpgroup's staging tile (shared-window address, 16-byte aligned, 8 KB);
   // barrier_id: this warpgroup's named barrier (128 threads).
-  // kAcc: accumulator floats per thread, half the tile's columns (128 for 256, 96 for 192).
-  template <int kAcc>
-  __device__ static void run(const float (&acc)[kAcc], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+  __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                              int wg, uint32_t stage_s, uint32_t barrier_id) {
     const int tid = threadIdx.x % 128;
     const int warp = tid / 32;
@@ -38,17 +36,18 @@ struct Sm90EpilogueStoreBf16 {
     uint16_t* out = static_cast<uint16_t*>(p.out);
     const int64_t row_base = int64_t(t.row0) + wg * kWarpgroupM;
 #pragma unroll
-    for (int quarter = 0; quarter < kAcc / 32; ++quarter) {
-      const int col_base = t.n_block * (2 * kAcc) + quarter * 64;
-      if (col_base >= p.n) continue;  // N is a multiple of 64: a quarter is all in or all out
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      const int h = quarter / 2;  // N half of the accumulator
+      const int col_base = t.n_block * kBlockN + quarter * 64;
+      if (col_base >= p.n) continue;  // N is a multiple of 128: a half is all in or all out
       // Fragment -> staging: row 16 warp + lane/4 (+ 8), columns 8 i + 2 q (+ 1) of the quarter.
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = warp * 16 + lane / 4 + half * 8;
 #pragma unroll
         for (int ii = 0; ii < 8; ++ii) {
-          const int i = quarter * 8 + ii;  // 8-column group of the fragment
-          const uint32_t v = ptx::cvt_rn_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+          const int i = (quarter % 2) * 8 + ii;
+          const uint32_t v = ptx::cvt_rn_bf16x2(acc[64 * h + 4 * i + 2 * half], acc[64 * h + 4 * i + 2 * half + 1]);
           ptx::st_shared_u32(stage_s + uint32_t(r) * 128u + uint32_t((ii ^ (r & 7)) * 16 + q * 4), v);
         }
       }

@@ -19,14 +19,11 @@ __device__ __forceinline__ uint32_t dyn_smem_base_s() {
   return (static_cast<uint32_t>(__cvta_generic_to_shared(epmoe_dynamic_smem)) + 1023u) & ~1023u;
 }
 
-// kTileN_: weight rows (output columns) per tile, 256 for every kernel but the FP8 L2 kernel's
-// 192-column variant (docs/GEMM.md note 26).
-template <bool kFp8, int kStages, int kTileN_ = kBlockN>
+template <bool kFp8, int kStages>
 struct Sm90SmemLayout {
-  static constexpr int kTileN = kTileN_;
   static constexpr uint32_t kRowBytes = 128;  // one swizzle span of K per row
   static constexpr uint32_t kTileA = kBlockM * kRowBytes;
-  static constexpr uint32_t kTileB = uint32_t(kTileN) * kRowBytes;
+  static constexpr uint32_t kTileB = kBlockN * kRowBytes;
   static constexpr uint32_t kScaleA = kFp8 ? kBlockM * 4 : 0;
   static constexpr uint32_t kTxBytes = kTileA + kTileB + kScaleA;  // what TMA lands per stage
 
@@ -49,17 +46,14 @@ struct Sm90SmemLayout {
   // 1024-byte aligned: the deferred epilogue's TMA stores read 128-byte swizzled boxes from here.
   static constexpr uint32_t kEpiOffset = (kTileInfoOffset + 16 + 1023) / 1024 * 1024;
   static constexpr uint32_t epi_offset(uint32_t math_wg) { return kEpiOffset + math_wg * kEpiTileBytes; }
-  // The deferred L2 epilogue stages a whole 128 x kTileN bf16 tile (64 KB at 256 columns) as 8 KB
-  // slabs (slab j = math warpgroup j / (kTileN / 64), 64-column quarter j % (kTileN / 64); rows and
-  // chunks as in the staging tiles above): slabs 0-1 in the A tile and the next kTileB / 8 KB in
-  // the B tile of `stage` (the stage of the tile's last K block, which the math warpgroups keep
-  // instead of releasing it), the rest in the two staging tiles (256 columns: 0-1, 2-5, 6-7;
-  // 192 columns: 0-1, 2-4, 5).
-  static constexpr uint32_t kBSlabs = kTileB / kEpiTileBytes;
+  // The deferred L2 epilogue stages a whole 128 x 256 bf16 tile (64 KB) as eight 8 KB slabs
+  // (slab j = math warpgroup j / 4, 64-column quarter j % 4; rows and chunks as in the staging
+  // tiles above): slabs 0-1 in the A tile and 2-5 in the B tile of `stage` (the stage of the
+  // tile's last K block, which the math warpgroups keep instead of releasing it), 6-7 in the two
+  // staging tiles.
   static constexpr uint32_t out_slab(uint32_t j, uint32_t stage) {
-    return j < 2             ? a_offset(stage) + j * kEpiTileBytes
-           : j < 2 + kBSlabs ? b_offset(stage) + (j - 2) * kEpiTileBytes
-                             : kEpiOffset + (j - 2 - kBSlabs) * kEpiTileBytes;
+    return j < 2 ? a_offset(stage) + j * kEpiTileBytes
+                 : j < 6 ? b_offset(stage) + (j - 2) * kEpiTileBytes : kEpiOffset + (j - 6) * kEpiTileBytes;
   }
   // The deferred L1 epilogue's row scales of a tile (128 floats), after the staging tiles.
   static constexpr uint32_t kEpiScaleOffset = kEpiOffset + 2 * kEpiTileBytes;
@@ -69,8 +63,7 @@ struct Sm90SmemLayout {
 
   static_assert(kTileA % 1024 == 0 && kTileB % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
   static_assert(kEpiOffset % 1024 == 0, "TMA boxes with a 128-byte swizzle need 1024-byte aligned smem");
-  static_assert(kTileA == 2 * kEpiTileBytes && kTileB % kEpiTileBytes == 0, "a stage holds whole slabs");
-  static_assert(2 + kBSlabs + 2 >= 2 * uint32_t(kTileN) / 64, "a kept stage and the staging tiles hold a tile");
+  static_assert(kTileA == 2 * kEpiTileBytes && kTileB == 4 * kEpiTileBytes, "a stage holds slabs 0-5 of a tile");
   static_assert(kScaleA % 16 == 0, "scale copies need 16-byte aligned destinations");
   static_assert(kAllocBytes <= 227 * 1024, "the stage ring does not fit in 227 KB of smem: fewer stages");
 };

@@ -71,7 +71,7 @@ struct Sm90TmaProducer {
     ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes);
     ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
     ptx::tma_load_2d(smem + Layout::b_offset(st.index), tmap_b, full, kb * kBlockK,
-                     tile.expert * p->n + tile.n_block * Layout::kTileN);
+                     tile.expert * p->n + tile.n_block * kBlockN);
     if constexpr (kFp8)
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(st.index), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
                          Layout::kScaleA, full);

@@ -11,8 +11,7 @@
 
 namespace epmoe::gemm::detail {
 
-// kL2N192: the FP8 L2 kernel on 128 x 192 tiles (FP8 only; B boxes of 192 rows).
-enum class GemmStage { kL1, kL2, kL2N192 };
+enum class GemmStage { kL1, kL2 };
 
 // Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and
 // checks that one block fits on an SM. Once per kernel and device (later calls return the first

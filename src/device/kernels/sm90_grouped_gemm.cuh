@@ -28,7 +28,6 @@
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_mainloop_bf16.cuh"
 #include "device/gemm/sm90_mainloop_fp8.cuh"
-#include "device/gemm/sm90_mainloop_fp8_n192.cuh"
 #include "device/gemm/sm90_smem_layout.cuh"
 #include "device/gemm/sm90_tma_producer.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
@@ -64,16 +63,10 @@ inline constexpr uint32_t kMathBarrierBase = 1;
 // warpgroups (256 threads).
 inline constexpr uint32_t kBothMathBarrier = 4;
 
-// kTileN_: output columns (weight rows) per tile: 256, or 192 for the FP8 L2 kernel's variant
-// (one drain per K block, five stages; docs/GEMM.md note 26).
-template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kTileN_ = kBlockN>
+template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
 struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kStages = kStages_;
-  static constexpr int kTileN = kTileN_;
-  static constexpr int kAcc = kTileN_ / 2;  // accumulator floats per math thread
-  static_assert(kTileN_ == kBlockN || (kTileN_ == 192 && kFp8_ && kEpi == Sm90Epilogue::kStoreBf16Deferred),
-                "the 192-column tile exists for the standalone FP8 L2 kernel only");
   static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU || kEpi == Sm90Epilogue::kSwiGLUDeferred;
   // Full tiles through a kept ring stage (L2; BF16 L1, whose 32 KB tile does not fit the staging
   // tiles) or through the staging tiles (FP8 L1: 16 KB of codes plus row scales).
@@ -82,11 +75,9 @@ struct Sm90GroupedGemmConfig {
   static constexpr bool kDeferredL1 = kEpi == Sm90Epilogue::kSwiGLUDeferred && kFp8_;
   static constexpr bool kHasStorer = kDeferredStore || kDeferredL1;
   // Slabs of 64 x 64 bf16 per math warpgroup in a kept-stage tile (Sm90EpilogueDeferredBf16::drain).
-  static constexpr int kSlabsPerWg = kSwiGLU ? 2 : kTileN_ / 64;
-  using Layout = Sm90SmemLayout<kFp8_, kStages_, kTileN_>;
-  using Mainloop = std::conditional_t<
-      kTileN_ == 192, Sm90Fp8MainloopN192<kStages_, Layout>,
-      std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>>;
+  static constexpr int kSlabsPerWg = kSwiGLU ? 2 : 4;
+  using Layout = Sm90SmemLayout<kFp8_, kStages_>;
+  using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
   using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>;
   using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler>;
@@ -106,7 +97,7 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
                                                     typename Cfg::Mainloop::State& st,
                                                     const uint32_t* ready = nullptr, uint32_t target = 0) {
-  const int n_tiles = (p.n + Cfg::kTileN - 1) / Cfg::kTileN;
+  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
                                   typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
   producer.st = st;
@@ -140,11 +131,11 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                                            typename Cfg::Mainloop::State& st, int wg,
                                                            uint32_t* done = nullptr, uint32_t first_tile_count = 0) {
   using Mainloop = typename Cfg::Mainloop;
-  const int n_tiles = (p.n + Cfg::kTileN - 1) / Cfg::kTileN;
+  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
   typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
   scheduler::GemmTile tile;
-  float acc[Cfg::kAcc];
+  float acc[128];
   int pending = -1;  // `done` index of the last stored tile whose release is deferred
   // Deferred tiles staged so far (the deferred epilogue's barrier phases): partial tiles, which
   // take the inline store, must not count, or the parities would no longer match the storer's.
@@ -168,9 +159,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       const int n_blocks128 = n_weight_rows / kScaleBlock;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // The tile's first column's scale block, and the next one (256: the two N halves; 192: the
-        // two blocks its columns straddle, see Sm90Fp8MainloopN192).
-        const int nb = tile.n_block * Cfg::kTileN / kScaleBlock + h;
+        const int nb = tile.n_block * (kBlockN / kScaleBlock) + h;
         // Why a 32-bit index (< 2^27 by the limits E_loc <= 1024, N <= 65536, K <= 32768) and
         // num_k_blocks: extra 64-bit loop invariants here pushed the fused kernel's FP8 tile loop
         // into spills.
@@ -186,15 +175,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // rows past an expert's count must stay untouched; an expert's last, partial m-block takes the
     // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
     const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
-    bool ok;
-    if constexpr (Cfg::kTileN == 192) {
-      const bool odd = (tile.n_block & 1) != 0;
-      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle, odd)
-                    : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle, odd);
-    } else {
-      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                    : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
-    }
+    const bool ok = deferred
+                        ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                        : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {
