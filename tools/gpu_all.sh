@@ -80,11 +80,11 @@ if [ "$mode" = ab ]; then
   finish
 fi
 if [ "$mode" = single ]; then
-  # One GPU (nvidia-h200 / nvidia-h100-x1): the unit and GEMM tests, the whole e2e matrix of both
-  # paths, the bad-input case, the dispatch/combine routings and the 10,000-call soak at R = 1, the
-  # Python package on one rank (every kernel runs, the megakernel's ordering
-  # between its own blocks included; no NVLink traffic), then the GEMM benchmark and the layer at
-  # R = 1 with the megakernel's epilogue variant chosen per call, forced inline, forced deferred.
+  # One GPU (nvidia-h200 / nvidia-h100-x1): the unit and GEMM tests; at R = 1 the whole e2e matrix
+  # of both paths, the bad-input case, the dispatch/combine routings and the 10,000-call soak (every
+  # kernel runs, the megakernel's ordering between its own blocks included; no NVLink traffic); the
+  # Python package on one rank; then the GEMM benchmark and the layer at R = 1 with the megakernel's
+  # epilogue variant chosen per call, forced inline, forced deferred.
   step unit_tests 120 "$bin/epmoe_unit_tests" --gtest_brief=1
   step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
   export EPMOE_TEST_RANKS=1
