@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <cstdlib>
 
 #include "e2e/layer_case.h"
 #include "mgpu/mgpu_util.h"
@@ -14,17 +13,11 @@ namespace {
 using ref::DType;
 using ref::Routing;
 
-// EPMOE_TEST_RANKS=N runs every case on N ranks instead of 2: the 4- and 8-GPU runs, and N = 1 on
-// a one-GPU machine (no NVLink traffic, but every kernel, the megakernel's in-block and cross-block
-// ordering included). Each case's per-rank token counts repeat cyclically over extra ranks; at
-// N = 1 the first rank's count is used.
-int test_ranks(int ranks) {
-  if (const char* env = std::getenv("EPMOE_TEST_RANKS")) {
-    const int n = std::atoi(env);
-    if (n >= 1) return n;
-  }
-  return ranks;
-}
+// Every case runs on mgpu::test_ranks(2) ranks (EPMOE_TEST_RANKS overrides 2; at N = 1 no NVLink
+// traffic, but every kernel, the megakernel's in-block and cross-block ordering included). Each
+// case's per-rank token counts repeat cyclically over extra ranks; at N = 1 the first rank's count
+// is used.
+using mgpu::test_ranks;
 
 void run_case(LayerCase c, int ranks = 2, double timeout_s = 240) {
   ranks = test_ranks(ranks);

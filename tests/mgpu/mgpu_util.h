@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -27,6 +28,16 @@ void run_on_ranks(int ranks, const std::function<Status(const RankContext&)>& fn
 Status make_comm(const RankContext& ctx, std::unique_ptr<Communicator>* out);
 
 inline Status fail(const std::string& what) { return Status(StatusCode::kInternal, what); }
+
+// Ranks for a test written for `ranks`: EPMOE_TEST_RANKS=N (N >= 1) overrides it, for the 4- and
+// 8-GPU runs and for N = 1 on a one-GPU machine (no NVLink traffic, every kernel still runs).
+inline int test_ranks(int ranks) {
+  if (const char* env = std::getenv("EPMOE_TEST_RANKS")) {
+    const int n = std::atoi(env);
+    if (n >= 1) return n;
+  }
+  return ranks;
+}
 
 }  // namespace epmoe::mgpu
 

@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <cstdlib>
 
 #include "mgpu/case_runner.h"
 #include "mgpu/mgpu_util.h"
@@ -38,17 +37,9 @@ uint64_t seed_for_test() {
   return s;
 }
 
-// EPMOE_TEST_RANKS=N: the all-routings cases on N ranks instead of 2 (the 4- and 8-GPU runs, and
-// N = 1 on a one-GPU machine).
-int test_ranks() {
-  const char* env = std::getenv("EPMOE_TEST_RANKS");
-  const int n = env ? std::atoi(env) : 0;
-  return n >= 1 ? n : 2;
-}
-
 void run_shape(const CaseShape& shape) {
   const uint64_t seed = seed_for_test();
-  const int ranks = test_ranks();
+  const int ranks = test_ranks(2);  // EPMOE_TEST_RANKS overrides it (mgpu_util.h)
   EPMOE_REQUIRE_RANKS(ranks);
   run_on_ranks(ranks, [&](const RankContext& ctx) { return run_cases(ctx, shape, all_routings(shape.T_max), seed); });
 }
