@@ -17,11 +17,14 @@
 #include "epmoe/launcher.h"
 #include "epmoe/layer.h"
 #include "host/check.h"
+#include "host/dispatch_internal.h"
 #include "host/layer_impl.h"
 #include "reference/data.h"
 
 namespace epmoe::bench {
 namespace {
+
+void cuda_free_ull(unsigned long long* p) { cudaFree(p); }
 
 // ---- Device-side random data (no host round trip for gigabytes of weights) ---------------------
 __device__ __forceinline__ float hash_uniform(uint64_t seed, uint64_t i) {  // [-1, 1)
@@ -296,22 +299,42 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
       std::string stages;
       {
         detail::LayerInternals* in = detail::internals(*layer);
-        std::vector<std::vector<double>> per(4);
+        // Also the comm kernels' (or the fused kernel's comm phases') own stamps (comm::CommPhase):
+        // where dispatch and combine spend their time inside the stage, for both paths alike.
+        std::vector<std::vector<double>> per(4), comm_ph(6);
+        unsigned long long* cstamps = nullptr;
+        EPMOE_CUDA_RETURN(cudaMalloc(&cstamps, sizeof(unsigned long long) * comm::kCommPhaseCount));
+        std::unique_ptr<unsigned long long, decltype(&cuda_free_ull)> cstamps_owner(cstamps, &cuda_free_ull);
+        detail::DispatchAccess::set_phase_stamps(in->dispatcher(), cstamps);
         in->set_stage_timing(true);
         for (int it = 0; it < std::min(o.iters, 20); ++it) {
+          EPMOE_CUDA_RETURN(cudaMemsetAsync(cstamps, 0, sizeof(unsigned long long) * comm::kCommPhaseCount, stream));
           EPMOE_RETURN_IF_ERROR(layer->forward(xs[it % sets], idxs[it % sets], wts[it % sets], ys[it % sets], T, stream, path));
           float ms[4];
           EPMOE_RETURN_IF_ERROR(in->stage_times_ms(ms));
           for (int k = 0; k < 4; ++k) per[k].push_back(ms[k] * 1e3);
+          unsigned long long ts[comm::kCommPhaseCount];
+          EPMOE_CUDA_RETURN(cudaMemcpy(ts, cstamps, sizeof(ts), cudaMemcpyDeviceToHost));
+          for (int b : {int(comm::kDispatchStart), int(comm::kCombineStart)}) {
+            const int j = b == comm::kDispatchStart ? 0 : 3;
+            comm_ph[j].push_back((double(ts[b + 1]) - double(~ts[b])) / 1e3);
+            comm_ph[j + 1].push_back((double(ts[b + 2]) - double(ts[b + 1])) / 1e3);
+            comm_ph[j + 2].push_back((double(ts[b + 3]) - double(ts[b + 2])) / 1e3);
+          }
         }
         in->set_stage_timing(false);
-        char buf[160];
-        std::snprintf(buf, sizeof(buf), "dispatch %.0f / L1 %.0f / L2 %.0f / combine %.0f us",
+        detail::DispatchAccess::set_phase_stamps(in->dispatcher(), nullptr);
+        char buf[320];
+        std::snprintf(buf, sizeof(buf),
+                      "dispatch %.0f / L1 %.0f / L2 %.0f / combine %.0f us  [dispatch staged %.1f / counts %.1f / "
+                      "pulled %.1f; combine partials %.1f / ready %.1f / reduced %.1f us]",
                       stats_of(per[0]).median, stats_of(per[1]).median, stats_of(per[2]).median,
-                      stats_of(per[3]).median);
+                      stats_of(per[3]).median, stats_of(comm_ph[0]).median, stats_of(comm_ph[1]).median,
+                      stats_of(comm_ph[2]).median, stats_of(comm_ph[3]).median, stats_of(comm_ph[4]).median,
+                      stats_of(comm_ph[5]).median);
         stages = buf;
       }
-      char line[512];
+      char line[768];
       if (o.json) {
         std::snprintf(line, sizeof(line),
                       "{\"rank\":%d,\"path\":\"%s\",\"shape\":\"%s\",\"dtype\":\"%s\",\"tokens\":%d,\"median_us\":%.2f,"

@@ -15,6 +15,7 @@
 #include "device/comm/grid_barrier.h"
 #include "device/comm/ptx_sync.h"
 #include "device/comm/wait.h"
+#include "device/comm/work_units.h"
 
 namespace epmoe::comm {
 namespace combine_detail {
@@ -173,7 +174,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
   const int R = s.num_ranks;
-  const int gwarp = blockIdx.x * kWarps + (threadIdx.x >> 5), nwarps = gridDim.x * kWarps;
+  const int nwarps = gridDim.x * kWarps;
   char* me = p.sym.ptr[p.rank];
   char* ws = p.local_ws;
   uint32_t* status = reinterpret_cast<uint32_t*>(ws + loc.status_offset());
@@ -197,7 +198,8 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   for (int r = 0; r < R; ++r) max_t = max(max_t, recv_tokens[r]);
   const int32_t* token_rows = reinterpret_cast<const int32_t*>(ws + loc.token_rows_offset());
   const int slices = (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
-  for (int64_t u = gwarp; u < int64_t(max_t) * R * slices; u += nwarps) {
+  const int64_t units_a = int64_t(max_t) * R * slices;
+  for (int64_t u = first_unit<kWarps>(units_a); u < units_a; u += nwarps) {
     const int slice = int(u % slices);
     const int64_t item = u / slices;
     const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
@@ -214,7 +216,8 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   __syncthreads();
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineReady);
   const int T = recv_tokens[p.rank];
-  for (int64_t u = gwarp; u < int64_t(T) * slices; u += nwarps)
+  const int64_t units_b = int64_t(T) * slices;
+  for (int64_t u = first_unit<kWarps>(units_b); u < units_b; u += nwarps)
     reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
   if ((threadIdx.x & 31) == 0) stamp_phase(p.phase_ts, kCombineEnd);
 

@@ -15,6 +15,7 @@
 #include "device/comm/dispatch_device.cuh"
 #include "device/comm/grid_barrier.h"
 #include "device/comm/wait.h"
+#include "device/comm/work_units.h"
 
 namespace epmoe::comm {
 
@@ -42,8 +43,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
   const int R = s.num_ranks, E_loc = s.experts_per_rank();
-  const int warp = threadIdx.x >> 5;
-  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  const int nwarps = gridDim.x * kWarps;
   char* me = p.sym.ptr[p.rank];
   char* ws = p.local_ws;
   uint32_t* status = reinterpret_cast<uint32_t*>(ws + loc.status_offset());
@@ -62,7 +62,8 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   // Phase 1: stage our tokens in (token, chunk) units; the chunk-0 warp also stages the routing.
   SlotMeta* meta = reinterpret_cast<SlotMeta*>(me + sym.stage_meta_offset());
   const int chunks = stage_chunks<kFp8>(s);
-  for (int64_t u = gwarp; u < int64_t(p.num_tokens) * chunks; u += nwarps) {
+  const int64_t stage_units = int64_t(p.num_tokens) * chunks;
+  for (int64_t u = first_unit<kWarps>(stage_units); u < stage_units; u += nwarps) {
     const int t = int(u / chunks), chunk = int(u % chunks);
     if (chunk == 0) stage_routing(p, t, meta, cursor, status);
     stage_token_chunk<kFp8>(p, t, chunk, me + sym.stage_x_offset(),
@@ -139,7 +140,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   int32_t* token_rows = reinterpret_cast<int32_t*>(ws + loc.token_rows_offset());
   const int slices = pull_slices(s);
   const int64_t units = int64_t(max_tokens_seen) * R * slices;
-  for (int64_t u = gwarp; u < units; u += nwarps) {
+  for (int64_t u = first_unit<kWarps>(units); u < units; u += nwarps) {
     const int slice = int(u % slices);
     const int64_t item = u / slices;
     const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
