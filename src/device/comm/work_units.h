@@ -9,15 +9,17 @@ namespace epmoe::comm {
 //   for (int64_t u = first_unit<kWarps>(units); u < units; u += gridDim.x * kWarps)
 // Every warp of the grid gets a distinct start, so each unit is done exactly once either way.
 // Why two numberings (measured on one H200 at R = 1, docs/COMM.md):
-// - fewer units than warps (decode): warps numbered across blocks first put the units, and the
-//   stores that fan them out, on as many SMs as there are units. Numbered block by block, the 16
-//   pull units of 8 tokens all ran in the first block: dispatch at 8 tokens 27.7 -> 19.6 us.
-// - more units than warps: block by block keeps a token's consecutive units (its slices or
-//   chunks) on one SM; numbered across blocks, dispatch at 1024-4096 tokens was 2-4% slower.
+// - at most half as many units as warps (decode): numbered block by block, the units and the
+//   stores that fan them out ran on the first few blocks only (the 16 pull units of 8 tokens all
+//   in block 0); numbered across blocks first, they land on as many SMs as there are units.
+//   Dispatch at 8 tokens 27.7 -> 19.6 us, at 128 tokens 28.1 -> 22.5 us.
+// - more units: block by block keeps a token's consecutive units (its slices or chunks) on one
+//   SM. Numbered across blocks, dispatch was 2-4% slower at 1024-4096 tokens, with 0.97 units per
+//   warp at 1024. Every block is busy there anyway.
 template <int kWarps>
 __device__ __forceinline__ int first_unit(int64_t units) {
   const int warp = int(threadIdx.x >> 5), blocks = int(gridDim.x), block = int(blockIdx.x);
-  return units <= int64_t(blocks) * kWarps ? warp * blocks + block : block * kWarps + warp;
+  return 2 * units <= int64_t(blocks) * kWarps ? warp * blocks + block : block * kWarps + warp;
 }
 
 }  // namespace epmoe::comm
