@@ -7,7 +7,9 @@ namespace epmoe::comm {
 
 // This warp's first unit in a grid-stride loop over `units` work units:
 //   for (int64_t u = first_unit<kWarps>(units); u < units; u += gridDim.x * kWarps)
-// Every warp of the grid gets a distinct start, so each unit is done exactly once either way.
+// Every warp of the grid gets a distinct start, so each unit is done exactly once either way,
+// provided `units` is the same in every block: it picks the numbering for the whole grid. All
+// callers pass counts every block reads alike (T, or counts published before a flag or barrier).
 // Why two numberings (measured on one H200 at R = 1, docs/COMM.md):
 // - at most half as many units as warps (decode): numbered block by block, the units and the
 //   stores that fan them out ran on the first few blocks only (the 16 pull units of 8 tokens all
