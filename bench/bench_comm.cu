@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "bench_util.h"
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "epmoe/launcher.h"
@@ -232,11 +233,9 @@ Status run_rank(const RankContext& ctx, const Options& o) {
           BENCH_OK(op());
           BENCH_CUDA(cudaMemcpyAsync(ts, stamps, sizeof(ts), cudaMemcpyDeviceToHost, stream));
           BENCH_CUDA(cudaStreamSynchronize(stream));
-          const int b = row.kind == 0 ? comm::kDispatchStart : comm::kCombineStart;
-          const double t0 = double(~ts[b]);
-          ph[0].push_back((double(ts[b + 1]) - t0) / 1e3);
-          ph[1].push_back((double(ts[b + 2]) - double(ts[b + 1])) / 1e3);
-          ph[2].push_back((double(ts[b + 3]) - double(ts[b + 2])) / 1e3);
+          double span[3];
+          comm_phase_spans_us(ts, row.kind == 0 ? comm::kDispatchStart : comm::kCombineStart, span);
+          for (int k = 0; k < 3; ++k) ph[k].push_back(span[k]);
         }
         detail::DispatchAccess::set_phase_stamps(*h, nullptr);
         BENCH_OK(h->check_errors(stream));

@@ -127,6 +127,10 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // The comm phases' stamps (comm::CommPhase) of the stage-timing passes below.
+  unsigned long long* cstamps = nullptr;
+  EPMOE_CUDA_RETURN(cudaMalloc(&cstamps, sizeof(unsigned long long) * comm::kCommPhaseCount));
+  std::unique_ptr<unsigned long long, decltype(&cuda_free_ull)> cstamps_owner(cstamps, &cuda_free_ull);
 
   // Weights, generated on the device.
   const int G = o.shape.experts_per_rank, H = cfg.hidden, I = cfg.intermediate;
@@ -302,9 +306,6 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         // Also the comm kernels' (or the fused kernel's comm phases') own stamps (comm::CommPhase):
         // where dispatch and combine spend their time inside the stage, for both paths alike.
         std::vector<std::vector<double>> per(4), comm_ph(6);
-        unsigned long long* cstamps = nullptr;
-        EPMOE_CUDA_RETURN(cudaMalloc(&cstamps, sizeof(unsigned long long) * comm::kCommPhaseCount));
-        std::unique_ptr<unsigned long long, decltype(&cuda_free_ull)> cstamps_owner(cstamps, &cuda_free_ull);
         detail::DispatchAccess::set_phase_stamps(in->dispatcher(), cstamps);
         in->set_stage_timing(true);
         for (int it = 0; it < std::min(o.iters, 20); ++it) {
@@ -315,12 +316,10 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
           for (int k = 0; k < 4; ++k) per[k].push_back(ms[k] * 1e3);
           unsigned long long ts[comm::kCommPhaseCount];
           EPMOE_CUDA_RETURN(cudaMemcpy(ts, cstamps, sizeof(ts), cudaMemcpyDeviceToHost));
-          for (int b : {int(comm::kDispatchStart), int(comm::kCombineStart)}) {
-            const int j = b == comm::kDispatchStart ? 0 : 3;
-            comm_ph[j].push_back((double(ts[b + 1]) - double(~ts[b])) / 1e3);
-            comm_ph[j + 1].push_back((double(ts[b + 2]) - double(ts[b + 1])) / 1e3);
-            comm_ph[j + 2].push_back((double(ts[b + 3]) - double(ts[b + 2])) / 1e3);
-          }
+          double span[6];
+          comm_phase_spans_us(ts, comm::kDispatchStart, span);
+          comm_phase_spans_us(ts, comm::kCombineStart, span + 3);
+          for (int k = 0; k < 6; ++k) comm_ph[k].push_back(span[k]);
         }
         in->set_stage_timing(false);
         detail::DispatchAccess::set_phase_stamps(in->dispatcher(), nullptr);

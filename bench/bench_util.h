@@ -11,6 +11,14 @@
 
 namespace epmoe::bench {
 
+// The three spans of one comm kernel's phase stamps (comm::CommPhase) in microseconds: ts[base]
+// holds ~t of the first block, ts[base + 1 .. base + 3] the ends of its three phases.
+inline void comm_phase_spans_us(const unsigned long long* ts, int base, double out[3]) {
+  out[0] = (double(ts[base + 1]) - double(~ts[base])) / 1e3;
+  out[1] = (double(ts[base + 2]) - double(ts[base + 1])) / 1e3;
+  out[2] = (double(ts[base + 3]) - double(ts[base + 2])) / 1e3;
+}
+
 // --name=value or --name value; a bare --name is "1".
 class Flags {
  public:
