@@ -46,6 +46,7 @@
 
 #include <cstdint>
 
+#include "device/gemm/sm90_epilogue_tid.cuh"
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_smem_layout.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
@@ -91,7 +92,7 @@ struct Sm90EpilogueDeferredBf16 {
   // hold columns 8 i + 2 (lane % 4) + {0, 1} of rows r0 and r0 + 8) as bf16 into the 64 x 64 slab at
   // slab_s (rows and 16-byte chunks as in the staging tiles), four stmatrix per thread.
   __device__ static void stmatrix_quarter(const float* v, int quarter, uint32_t slab_s) {
-    const int tid = threadIdx.x % 128;
+    const int tid = int(epilogue_tid() % 128u);
     const int warp = tid / 32, lane = tid % 32;
     const int m = lane / 8;  // the matrix whose row this lane addresses
     const uint32_t r = uint32_t(warp * 16 + (m & 1) * 8 + lane % 8);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "device/gemm/sm90_epilogue_tid.cuh"
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/ptx/fence.cuh"
 #include "device/ptx/ld_st.cuh"
@@ -28,7 +29,7 @@ struct Sm90EpilogueStoreBf16 {
   // barrier_id: this warpgroup's named barrier (128 threads).
   __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                              int wg, uint32_t stage_s, uint32_t barrier_id) {
-    const int tid = threadIdx.x % 128;
+    const int tid = int(epilogue_tid() % 128u);
     const int warp = tid / 32;
     const int lane = tid % 32;
     const int q = lane % 4;

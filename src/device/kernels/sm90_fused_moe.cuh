@@ -37,6 +37,10 @@
 #ifndef EPMOE_COMM_WAIT_NO_PRINTF
 #define EPMOE_COMM_WAIT_NO_PRINTF 1
 #endif
+// Why: see gemm::epilogue_tid (this kernel spilled the L2 epilogue's offsets once per tile).
+#ifndef EPMOE_GEMM_EPILOGUE_TID_PER_TILE
+#define EPMOE_GEMM_EPILOGUE_TID_PER_TILE 1
+#endif
 
 #include <cuda.h>
 
@@ -53,6 +57,9 @@
 #include "epmoe/config.h"
 
 namespace epmoe::fused {
+
+static_assert(gemm::kEpilogueTidPerTile,
+              "a GEMM header was included before this one: EPMOE_GEMM_EPILOGUE_TID_PER_TILE must be defined first");
 
 // kDeferred: the throughput variant. Full L2 tiles (and full L1 tiles in FP8) go out through the
 // deferred epilogues' storer thread (TMA stores; gemm/sm90_epilogue_deferred.cuh), as in the
