@@ -349,6 +349,11 @@ int run_gemm(const std::vector<std::string>& args) {
       return 2;
     }
   }
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
+    std::printf("epmoe-bench gemm: needs 1 GPU, 0 visible. Nothing to measure here.\n");
+    return 0;
+  }
   auto uniform = [](int g, int m) { return std::vector<int>(g, m); };
   std::vector<Shape> shapes = {
       {"(8,4096,4096,7168)", uniform(8, 4096), 4096, 7168},

@@ -416,7 +416,9 @@ int run_layer(const std::vector<std::string>& args) {
   o.hbm_gbs = f.real("hbm-gbs", 4200);
 
   const int gpus = probe_gpu_count();
-  const int ranks = parse_ranks_flag(args, gpus);
+  // Why at least 1: without GPUs the default would be 0 ranks, reported as a bad flag; the check
+  // below says what is missing instead.
+  const int ranks = parse_ranks_flag(args, std::max(gpus, 1));
   if (ranks < 1) {
     std::fprintf(stderr, "epmoe-bench layer: bad --ranks\n");
     return 2;
