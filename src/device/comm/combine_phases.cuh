@@ -199,13 +199,15 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const int32_t* token_rows = reinterpret_cast<const int32_t*>(ws + loc.token_rows_offset());
   const int slices = (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
   const int64_t units_a = int64_t(max_t) * R * slices;
-  for (int64_t u = first_unit<kWarps>(units_a); u < units_a; u += nwarps) {
+  const int64_t first_a = first_unit<kWarps>(units_a);
+  const bool had_a = first_a < units_a;
+  for (int64_t u = first_a; u < units_a; u += nwarps) {
     const int slice = int(u % slices);
     const int64_t item = u / slices;
     const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
     if (t < recv_tokens[src]) push_partial_slice<kPartialBytes>(p, sym, src, t, slice, token_rows);
   }
-  if ((threadIdx.x & 31) == 0) stamp_phase(p.phase_ts, kCombinePartials);
+  if (stamps_phase_end(had_a)) stamp_phase(p.phase_ts, kCombinePartials);
   if (arrive_is_last_block(arrive_a) && threadIdx.x < R)
     st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
 
@@ -217,9 +219,11 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineReady);
   const int T = recv_tokens[p.rank];
   const int64_t units_b = int64_t(T) * slices;
-  for (int64_t u = first_unit<kWarps>(units_b); u < units_b; u += nwarps)
+  const int64_t first_b = first_unit<kWarps>(units_b);
+  const bool had_b = first_b < units_b;
+  for (int64_t u = first_b; u < units_b; u += nwarps)
     reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
-  if ((threadIdx.x & 31) == 0) stamp_phase(p.phase_ts, kCombineEnd);
+  if (stamps_phase_end(had_b)) stamp_phase(p.phase_ts, kCombineEnd);
 
   // Phase C.
   if (arrive_is_last_block(arrive_c)) {

@@ -140,13 +140,15 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   int32_t* token_rows = reinterpret_cast<int32_t*>(ws + loc.token_rows_offset());
   const int slices = pull_slices(s);
   const int64_t units = int64_t(max_tokens_seen) * R * slices;
-  for (int64_t u = first_unit<kWarps>(units); u < units; u += nwarps) {
+  const int64_t first_pull = first_unit<kWarps>(units);
+  const bool had_pull = first_pull < units;
+  for (int64_t u = first_pull; u < units; u += nwarps) {
     const int slice = int(u % slices);
     const int64_t item = u / slices;
     const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
     if (t < tokens_of[src]) pull_token_slice<kFp8>(p, sym, src, t, slice, base, token_rows, status);
   }
-  if ((threadIdx.x & 31) == 0) stamp_phase(p.phase_ts, kDispatchPulled);
+  if (stamps_phase_end(had_pull)) stamp_phase(p.phase_ts, kDispatchPulled);
 
   // Phase 4.
   if (arrive_is_last_block(reinterpret_cast<uint32_t*>(ws + loc.dispatch_arrive_offset()))) {

@@ -31,6 +31,16 @@ template <int kWarps>
 __device__ __forceinline__ int first_unit(int64_t units) {
   return first_unit_of(units, int(threadIdx.x >> 5), int(blockIdx.x), int(gridDim.x), kWarps);
 }
+
+// Whether this warp's lane 0 stamps the end of a phase (comm::stamp_phase): the warps that had a
+// unit (had_unit: first_unit < units, taken before the loop), and warp 0 of block 0, so that the
+// stamp exists when no warp had one. Why not every warp: the stamp is one atomicMax on one word,
+// and the fused kernel has 1,584 warps. (Measured on one H200 at T = 1: the fused kernel's spans
+// did not change, so that contention is not why they are longer than the standalone kernels';
+// docs/MEGAKERNEL.md, tenth session.)
+__device__ __forceinline__ bool stamps_phase_end(bool had_unit) {
+  return (threadIdx.x & 31) == 0 && (had_unit || (threadIdx.x == 0 && blockIdx.x == 0));
+}
 #endif
 
 }  // namespace epmoe::comm
