@@ -17,11 +17,18 @@
 //   5 n256 nopromo: 4 x m64n256k32 straight into the accumulator, wait 0 per K block (bound)
 //   6 halves+skew: variant 0, the second warpgroup starts half a K block late
 //   7 n128 1drain: 64x128 per warpgroup, one scratch, wait 0, promote
+//   9 halves+feed: variant 0 fed like the GEMM: a producer thread bulk-copies each stage (48.5 KB
+//                  from an L2-resident buffer) into a 4-stage ring with full/empty mbarriers
+//  10 regA+feed  : variant 9 with A in registers: each warp ldmatrix-loads its 16 x 128 A slice
+//                  once per K block and both N halves use it (half the A reads from smem)
+//  11 regA       : variant 10 without the feed
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "tools/probes/wgmma_probe_ops.cuh"
 
@@ -31,7 +38,9 @@ constexpr int kStages = 4;
 constexpr int kABytes = 128 * 128;  // 128 rows x 128 e4m3
 constexpr int kBBytes = 256 * 128;
 constexpr int kStageBytes = kABytes + kBBytes + 512;
-constexpr int kSmem = kStages * kStageBytes + 1024;
+constexpr int kBarBytes = 2 * kStages * 8;
+constexpr int kSmem = kStages * kStageBytes + kBarBytes + 1024;
+constexpr int kFeedBuffers = 8;  // source stages in global memory, cycled (L2-resident)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -63,8 +72,29 @@ __device__ __forceinline__ void promote(float* acc, const float (&t)[N], float s
   }
 }
 
+__device__ __forceinline__ bool try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t parity) {
+  while (!try_wait(bar, parity)) {
+  }
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
 template <int V>
-__global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out, long long* cycles) {
+__global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out, long long* cycles,
+                                                       const uint8_t* feed_src) {
   extern __shared__ uint8_t raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   // Small finite e4m3 codes (no NaN encodings), scales near 1.
@@ -77,10 +107,34 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
     float* sa = reinterpret_cast<float*>(smem + s * kStageBytes + kABytes + kBBytes);
     for (int i = threadIdx.x; i < 128; i += blockDim.x) sa[i] = 1.0f + 1e-3f * i;
   }
+  constexpr bool kFeed = V == 9 || V == 10;
+  constexpr bool kRegA = V == 10 || V == 11;
+  const uint32_t bars = smem_u32(smem + kStages * kStageBytes);  // full[kStages], empty[kStages]
+  if (kFeed && threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bars + 8 * s), "r"(1));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bars + 8 * (kStages + s)), "r"(8));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (kFeed && threadIdx.x == 0) {
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % kStages, round = kb / kStages;
+        if (round > 0) wait_parity(bars + 8 * (kStages + s), uint32_t(round - 1) & 1u);
+        asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bars + 8 * s),
+                     "r"(kStageBytes)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                smem_u32(smem + s * kStageBytes)),
+            "l"(feed_src + size_t(kb % kFeedBuffers) * kStageBytes), "r"(kStageBytes), "r"(bars + 8 * s)
+            : "memory");
+      }
+    }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -99,7 +153,53 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
   }
   t0 = clock64();
 
-  if constexpr (V == 0 || V == 1 || V == 6) {
+  if constexpr (V == 9 || V == 10 || V == 11) {
+    float acc[128], tmp[64];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = kb % kStages;
+      if constexpr (kFeed) wait_parity(bars + 8 * s, uint32_t(kb / kStages) & 1u);
+      uint8_t* st = smem + s * kStageBytes;
+      const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes);
+      const float s0 = sa[r0] * sb, s1 = sa[r0 + 8] * sb;
+      const uint64_t da = desc(st + mw * 64 * 128);
+      uint32_t a[4][4];
+      if constexpr (kRegA) {
+        // This warp's 16 rows x 128 bytes of A, as the m64k32 fragments of the four k steps:
+        // matrix j of k step k = rows (j & 1) * 8 .. +7, 16-byte chunk 2k + (j >> 1) (128B swizzle).
+        const int row = mw * 64 + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int chunk = 2 * k + (lane >> 4);
+          ldmatrix_x4(smem_u32(st) + uint32_t(row * 128 + ((chunk ^ (row & 7)) * 16)), a[k]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint64_t db = desc(st + kABytes + h * 128 * 128);
+        fence_regs(tmp);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if constexpr (kRegA)
+            wgmma_m64n128k32_e4m3_rs(tmp, a[k], db + 2 * k, k > 0);
+          else
+            wgmma_m64n128k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(tmp);
+        if (kFeed && h == 1) {
+          __syncwarp();
+          if (lane == 0) asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bars + 8 * (kStages + s)) : "memory");
+        }
+        promote<64>(acc + 64 * h, tmp, s0, s1);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 128; ++i) result += acc[i];
+  } else if constexpr (V == 0 || V == 1 || V == 6) {
     float acc[128], tmp[64];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -289,9 +389,9 @@ constexpr double flops_per_kb(int v) {
   } while (0)
 
 template <int V>
-void run_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles) {
+void run_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
   CK(cudaFuncSetAttribute(probe_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles);  // warm-up
+  probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles, feed);  // warm-up
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   cudaEvent_t a, b;
@@ -300,7 +400,7 @@ void run_variant(const char* name, int k_blocks, int sms, float* out, long long*
   float best = 1e30f;
   for (int rep = 0; rep < 5; ++rep) {
     CK(cudaEventRecord(a));
-    probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles);
+    probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles, feed);
     CK(cudaGetLastError());
     CK(cudaEventRecord(b));
     CK(cudaEventSynchronize(b));
@@ -335,15 +435,34 @@ int main(int argc, char** argv) {
   long long* cycles;
   CK(cudaMalloc(&out, sizeof(float) * 384 * sms));
   CK(cudaMalloc(&cycles, sizeof(long long) * 2 * sms));
+  // The feed's source stages: small finite e4m3 codes like the smem fill, scales near 1.
+  uint8_t* feed;
+  CK(cudaMalloc(&feed, size_t(kFeedBuffers) * kStageBytes));
+  {
+    std::vector<uint32_t> h(size_t(kFeedBuffers) * kStageBytes / 4);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = ((uint32_t(i) * 2654435761u) >> 8) & 0x2F2F2F2Fu;
+    for (int b = 0; b < kFeedBuffers; ++b)
+      for (int i = 0; i < 128; ++i) {
+        const float v = 1.0f + 1e-3f * i;
+        std::memcpy(&h[(size_t(b) * kStageBytes + kABytes + kBBytes) / 4 + i], &v, 4);
+      }
+    CK(cudaMemcpy(feed, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+  }
   std::printf("wgmma probe: %d SMs, %d K blocks of 128 per warpgroup, operands in smem\n", sms, k_blocks);
-  run_variant<5>("n256 nopromo", k_blocks, sms, out, cycles);
-  run_variant<0>("halves", k_blocks, sms, out, cycles);
-  run_variant<1>("halves 1wg", k_blocks, sms, out, cycles);
-  run_variant<6>("halves+skew", k_blocks, sms, out, cycles);
-  run_variant<7>("n128 1drain", k_blocks, sms, out, cycles);
-  run_variant<2>("n128 dbuf", k_blocks, sms, out, cycles);
-  run_variant<3>("n128 dbuf 1wg", k_blocks, sms, out, cycles);
-  run_variant<4>("n192 1drain", k_blocks, sms, out, cycles);
-  run_variant<8>("n64 quarters", k_blocks, sms, out, cycles);
+  run_variant<5>("n256 nopromo", k_blocks, sms, out, cycles, feed);
+  run_variant<0>("halves", k_blocks, sms, out, cycles, feed);
+  run_variant<1>("halves 1wg", k_blocks, sms, out, cycles, feed);
+  run_variant<6>("halves+skew", k_blocks, sms, out, cycles, feed);
+  run_variant<7>("n128 1drain", k_blocks, sms, out, cycles, feed);
+  run_variant<2>("n128 dbuf", k_blocks, sms, out, cycles, feed);
+  run_variant<3>("n128 dbuf 1wg", k_blocks, sms, out, cycles, feed);
+  run_variant<4>("n192 1drain", k_blocks, sms, out, cycles, feed);
+  run_variant<8>("n64 quarters", k_blocks, sms, out, cycles, feed);
+  run_variant<9>("halves+feed", k_blocks, sms, out, cycles, feed);
+  run_variant<10>("regA+feed", k_blocks, sms, out, cycles, feed);
+  run_variant<11>("regA", k_blocks, sms, out, cycles, feed);
+  run_variant<0>("halves", k_blocks, sms, out, cycles, feed);
+  run_variant<9>("halves+feed", k_blocks, sms, out, cycles, feed);
+  run_variant<10>("regA+feed", k_blocks, sms, out, cycles, feed);
   return 0;
 }
