@@ -25,8 +25,10 @@
 // - the smem scratch of dispatch is read with generic loads, then overwritten by TMA:
 //   fence.proxy.async.shared::cta before the barrier.
 // - L2's generic o_pool stores -> combine's generic loads: the grid barrier alone.
-// - expert_count / expert_offset / row_weight are written by dispatch and read by the GEMM with
-//   ld.global.cg (L2, coherent across SMs after the barrier), not the non-coherent path.
+// - expert_count / expert_offset / row_weight are written by dispatch and read by the GEMM after
+//   the grid barrier, never through the non-coherent path: row_weight with ld.global.cg (L2), the
+//   schedulers' counts and offsets with ld.global.ca (ptx::ld_ca_s32: the barrier's gpu-scope
+//   acquire orders them after the writes and drops the SM's stale L1 lines).
 // - ready[] restarts from 0 every call: after the last grid barrier (no L2 load is pending) the
 //   blocks zero the counters of the m-blocks this call used.
 //

@@ -63,6 +63,19 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
   return v;
 }
 
+// Cached in L1 as well (ld.global.ca): for small arrays that every warp of every block reads and
+// nobody writes while they are read: the GEMM schedulers' expert counts and offsets. Written
+// before the reader's grid started (the standalone kernels), or before a grid barrier whose
+// gpu-scope acquire orders the reading block after the writers (the fused kernel: the acquire
+// also drops the SM's stale L1 lines, CCTL.IVALL in the SASS). Why not ld_cg_s32: with .cg every
+// warp's request goes to the one L2 line that holds the counts; 132 blocks x 9 roles x 32
+// experts queued there, and the walk took ~4 us of an empty GEMM kernel's ~11 us (ncu, one H200).
+__device__ __forceinline__ int ld_ca_s32(const int* p) {
+  int v;
+  asm volatile("ld.global.ca.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // Cross-block counters (comm flags, the fused kernel's pool m-blocks): a gpu-scope acquire load
 // and a gpu-scope release add. The release is cumulative: writes that happen before it (the whole
 // warpgroup's, through a named barrier) are visible to whoever acquires the new value.

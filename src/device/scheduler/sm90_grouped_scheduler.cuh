@@ -39,7 +39,8 @@ struct GroupedTileScheduler {
 
   // Counts read per round trip while walking past experts. Why: the walk was one dependent L2 load
   // per expert (~0.5-1 us each), so every role of every block spent ~E_loc round trips finding its
-  // first and last tile: ~8 us per GEMM phase at 32 experts, visible at decode and at T = 0.
+  // first and last tile. Why ld_ca_s32 (L1-cached) for the counts and offsets: see there; with
+  // L2-only loads every warp of the grid queued on the same line.
   static constexpr int kCountBatch = 8;
 
   __device__ GroupedTileScheduler(const int* count_, const int* offset_, int num_groups_, int n_tiles_)
@@ -66,7 +67,7 @@ struct GroupedTileScheduler {
       int c[kCountBatch];
 #pragma unroll
       for (int i = 0; i < kCountBatch; ++i)
-        c[i] = expert + 1 + i < num_groups ? ptx::ld_cg_s32(count + expert + 1 + i) : 0;
+        c[i] = expert + 1 + i < num_groups ? ptx::ld_ca_s32(count + expert + 1 + i) : 0;
 #pragma unroll
       for (int i = 0; i < kCountBatch; ++i) {
         expert_first += expert_tiles;
@@ -79,7 +80,7 @@ struct GroupedTileScheduler {
     }
     t.expert = expert;
     locate(next_linear - expert_first, expert_m_blocks, n_tiles, t.m_block, t.n_block);
-    t.row0 = ptx::ld_cg_s32(offset + expert) + t.m_block * kBlockM;
+    t.row0 = ptx::ld_ca_s32(offset + expert) + t.m_block * kBlockM;
     t.rows_valid = min(kBlockM, expert_rows - t.m_block * kBlockM);
     return true;
   }
