@@ -184,7 +184,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.combine_epoch_offset());
   const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = ld_relaxed_gpu(epoch_word) + 1;
+  const uint64_t epoch = ld_weak_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineStart, true);
 
   // Phase 0: a source may still be reading the partials we pushed into its buffer last call.

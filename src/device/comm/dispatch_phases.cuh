@@ -50,7 +50,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   int32_t* cursor = reinterpret_cast<int32_t*>(ws + loc.cursor_offset());
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.dispatch_epoch_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = ld_relaxed_gpu(epoch_word) + 1;
+  const uint64_t epoch = ld_weak_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStart, true);
 
   // Phase 0: our staging and the counts we wrote last call may still be read by a destination.

@@ -21,6 +21,16 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+// A weak load that may hit L1: for a word that every thread of the grid reads at once and that no
+// block of the running kernel has written yet (the phases' epoch words: written by the last block
+// of the previous call, after every block of this one read them). Why not ld_relaxed_gpu: a
+// strong load goes to L2, and every warp of a 132-block grid asking one line at the same moment
+// queues there (the same effect cost the GEMM schedulers ~4 us per kernel; ptx::ld_ca_s32).
+__device__ __forceinline__ uint64_t ld_weak_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.global.ca.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // Every L2 tile has been loaded: reset the ready counters this call used (the pool's
   // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.
   {
-    const int used_rows = ptx::ld_cg_s32(p.l1.expert_offset + p.l1.num_groups);
+    // L1-cached: every thread of the grid reads this word here (ptx::ld_ca_s32).
+    const int used_rows = ptx::ld_ca_s32(p.l1.expert_offset + p.l1.num_groups);
     // Why the clamp: counts from peers that disagree with this pool must not make us write past
     // the counters (the dispatch drops such rows and reports them).
     const int used = min(int(loc.mblock_ready_count()),
