@@ -13,6 +13,7 @@
 
 #include "bench_registry.h"
 #include "bench_util.h"
+#include "device/debug/diag_dump.h"
 #include "epmoe/comm.h"
 #include "epmoe/launcher.h"
 #include "epmoe/layer.h"
@@ -367,6 +368,19 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     }
   }
   EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
+#if EPMOE_DIAG_TRACE
+  // A trace build (device/debug/diag_trace.cuh): the last call of each kernel, per block, rank by rank.
+  for (int r = 0; r < R; ++r) {
+    EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
+    if (r == me) {
+      std::printf("[trace] rank %d\n", me);
+      diag::dump_dispatch_trace(stdout);
+      diag::dump_combine_trace(stdout);
+      diag::dump_fused_trace(stdout);
+      std::fflush(stdout);
+    }
+  }
+#endif
   (void)report;
   return Status::Ok();
 }

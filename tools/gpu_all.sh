@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|ab|diag|sanitize|ranks]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|ab|diag|sanitize|ranks|trace]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
 # GEMM on one GPU; diag: decode timing with and without graphs, an nsys trace, clock samples;
 # sanitize: racecheck and synccheck on the GEMM tests that reuse stages; single: everything that
-# runs on one GPU, for the one-GPU kinds)
+# runs on one GPU, for the one-GPU kinds; trace: per-block timelines of the comm phases and the
+# megakernel at 0 / 1 / 128 tokens on every local GPU, from the trace build that
+# EPMOE_STAGE_TRACE=1 bash tools/stage_gpu.sh adds as epmoe-bench-trace)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -126,6 +128,19 @@ if [ "$mode" = ranks ]; then
   step "ranks${R}_bench_layer_dsv3full" 90 "$bin/epmoe-bench" layer --ranks "$R" --shape dsv3full \
     --path pipeline,fused --tokens 1,128,4096 --partials bf16
   step "ranks${R}_bench_comm" 120 "$bin/epmoe-bench" comm --ranks "$R" --tokens 128,4096
+  finish
+fi
+if [ "$mode" = trace ]; then
+  # device/debug/diag_trace.cuh: each run prints, per trace point, how many blocks reached it and
+  # when (min / median / max over blocks) in the last call of each kernel. One path per run, so the
+  # printed call is that path's.
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 1)
+  [ "$ngpu" -ge 1 ] || ngpu=1
+  for T in ${EPMOE_TRACE_TOKENS:-0 1 128}; do
+    for path in pipeline fused; do
+      step "trace_${path}_$T" 90 "$bin/epmoe-bench-trace" layer --ranks "$ngpu" --path "$path" --tokens "$T" --partials bf16
+    done
+  done
   finish
 fi
 if [ "$mode" = diag ]; then

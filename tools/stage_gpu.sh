@@ -11,6 +11,14 @@ rm -rf .gpu/bin && mkdir -p .gpu/bin
 for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe; do
   [ -x "$build/$b" ] && cp "$build/$b" .gpu/bin/ && strip --strip-debug .gpu/bin/$b || true
 done
+# EPMOE_STAGE_TRACE=1: also the trace build of epmoe-bench (device/debug/diag_trace.cuh) as
+# epmoe-bench-trace, for bash tools/gpu_all.sh trace.
+if [ "${EPMOE_STAGE_TRACE:-0}" = 1 ]; then
+  cmake -S . -B "$build-trace" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=ON -DEPMOE_BUILD_TESTS=OFF \
+    -DEPMOE_BUILD_PYTHON=OFF >/dev/null
+  cmake --build "$build-trace" --target epmoe-bench -j "$(nproc)"
+  cp "$build-trace/epmoe-bench" .gpu/bin/epmoe-bench-trace && strip --strip-debug .gpu/bin/epmoe-bench-trace
+fi
 if [ -f "$build/python/libepmoe_c.so" ]; then
   cp "$build/python/libepmoe_c.so" .gpu/bin/ && strip --strip-debug .gpu/bin/libepmoe_c.so
 fi

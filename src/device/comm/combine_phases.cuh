@@ -16,6 +16,7 @@
 #include "device/comm/ptx_sync.h"
 #include "device/comm/wait.h"
 #include "device/comm/work_units.h"
+#include "device/debug/diag_trace.cuh"
 
 namespace epmoe::comm {
 namespace combine_detail {
@@ -76,6 +77,7 @@ __device__ __forceinline__ void push_partial_slice(const CombineParams& p, const
   const int K = s.topk, lane = threadIdx.x & 31, nvec = s.hidden / 8, v0 = slice * kSliceVecs;
   const int row = lane < K ? token_rows[(int64_t(src) * s.max_tokens + t) * K + lane] : -1;
   const unsigned mask = __ballot_sync(0xFFFFFFFFu, row >= 0);
+  diag::trace(diag::kCombUnitRows);
   if (mask == 0) return;
   const char* o_pool = p.pool + p.pool_layout.o_pool_offset();
   const int64_t row_bytes = int64_t(s.hidden) * 2;
@@ -106,6 +108,7 @@ __device__ __forceinline__ void push_partial_slice(const CombineParams& p, const
       for (int j = 0; j < kVecs; ++j)
         if (r[i] && v0 + j * 32 + lane < nvec) add_bf16x8(acc[j], buf[i][j]);
   }
+  diag::trace(diag::kCombUnitSummed);
   char* dst = p.sym.ptr[src] + sym.partials_offset() + (int64_t(p.rank) * s.max_tokens + t) * sym.partial_row_bytes();
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
@@ -186,12 +189,14 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
   const uint64_t epoch = ld_weak_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineStart, true);
+  diag::trace(diag::kCombEntry);
 
   // Phase 0: a source may still be reading the partials we pushed into its buffer last call.
   if (threadIdx.x < R)
     wait_geq_acquire_sys(site, reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineDone, threadIdx.x)),
                          epoch - 1, "combine_done", threadIdx.x);
   __syncthreads();
+  diag::trace(diag::kCombPhase0);
 
   // Phase A.
   int max_t = 0;
@@ -208,8 +213,10 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
     if (t < recv_tokens[src]) push_partial_slice<kPartialBytes>(p, sym, src, t, slice, token_rows);
   }
   if (stamps_phase_end(had_a)) stamp_phase(p.phase_ts, kCombinePartials);
+  diag::trace(diag::kCombA);
   if (arrive_is_last_block(arrive_a) && threadIdx.x < R)
     st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
+  diag::trace(diag::kCombArrivedA);
 
   // Phase B.
   if (threadIdx.x < R)
@@ -217,6 +224,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
                          epoch, "combine_ready", threadIdx.x);
   __syncthreads();
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineReady);
+  diag::trace(diag::kCombReady);
   const int T = recv_tokens[p.rank];
   const int64_t units_b = int64_t(T) * slices;
   const int64_t first_b = first_unit<kWarps>(units_b);
@@ -224,6 +232,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   for (int64_t u = first_b; u < units_b; u += nwarps)
     reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
   if (stamps_phase_end(had_b)) stamp_phase(p.phase_ts, kCombineEnd);
+  diag::trace(diag::kCombB);
 
   // Phase C.
   if (arrive_is_last_block(arrive_c)) {
@@ -231,6 +240,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
       st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
     if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);
   }
+  diag::trace(diag::kCombEnd);
 }
 
 }  // namespace combine_detail

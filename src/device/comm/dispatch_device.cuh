@@ -8,6 +8,7 @@
 #include "device/comm/fp8_quant.h"
 #include "device/comm/ptx_sync.h"
 #include "device/comm/status_bits.h"
+#include "device/debug/diag_trace.cuh"
 
 namespace epmoe::comm::dispatch_detail {
 
@@ -32,12 +33,27 @@ __host__ __device__ __forceinline__ int pull_slices(const CommShape& s) {
 // Phase 1 for one token: sanitized routing into SlotMeta, positions from the per-expert cursors.
 // Every valid slot gets its own row, also when a token lists one expert several times (SPEC: any
 // routing is legal and counts each slot); the pool holds K rows per token for that reason.
-__device__ __forceinline__ void stage_routing(const DispatchParams& p, int t, SlotMeta* meta, int32_t* cursor,
-                                              uint32_t* status) {
+// Split in two: load_routing issues the loads, stage_routing uses them, so that a caller can put
+// other loads in between.
+struct RoutingSlot {
+  int expert = -1;
+  float weight = 0.f;
+};
+__device__ __forceinline__ RoutingSlot load_routing(const DispatchParams& p, int t) {
+  const int K = p.shape.topk, lane = threadIdx.x & 31;
+  RoutingSlot r;
+  if (lane < K) {
+    r.expert = p.topk_idx[int64_t(t) * K + lane];
+    r.weight = p.topk_w[int64_t(t) * K + lane];
+  }
+  return r;
+}
+__device__ __forceinline__ void stage_routing(const DispatchParams& p, int t, const RoutingSlot& slot, SlotMeta* meta,
+                                              int32_t* cursor, uint32_t* status) {
   const int K = p.shape.topk, E = p.shape.num_experts, lane = threadIdx.x & 31;
   if (lane >= K) return;
-  int e = p.topk_idx[int64_t(t) * K + lane];
-  const float w = p.topk_w[int64_t(t) * K + lane];
+  int e = slot.expert;
+  const float w = slot.weight;
   const bool bad = e < -1 || e >= E;
   if (bad) {
     e = -1;
@@ -175,6 +191,7 @@ __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const 
     row = -1;
   }
   const unsigned mask = __ballot_sync(0xFFFFFFFFu, row >= 0);
+  diag::trace(diag::kDispUnitMeta);
   if (slice == 0) {
     if (lane < K) token_rows[(int64_t(src) * s.max_tokens + t) * K + lane] = row;
     if (row >= 0) {
@@ -192,6 +209,7 @@ __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const 
     for (int j = 0; j < kPullVecs; ++j)
       if (v0 + j * 32 + lane < nvec) to[v0 + j * 32 + lane] = buf[j];
   }
+  diag::trace(diag::kDispUnitStored);
   if constexpr (kFp8) {
     if (slice != 0) return;
     float* x_scale = reinterpret_cast<float*>(p.pool + pl.x_scale_offset());

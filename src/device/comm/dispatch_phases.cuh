@@ -16,6 +16,7 @@
 #include "device/comm/grid_barrier.h"
 #include "device/comm/wait.h"
 #include "device/comm/work_units.h"
+#include "device/debug/diag_trace.cuh"
 
 namespace epmoe::comm {
 
@@ -32,8 +33,8 @@ struct NoLayoutHook {
   __device__ void operator()(const CountOf&) const {}
 };
 
-// after_layout(segment_rows): called by thread 0 of every block once the expert segments are laid
-// out and before the pull, with segment_rows(e) = the rows of local expert e's segment this call
+// after_layout(segment_rows): called by lane 0 of the last warp of every block once the expert
+// segments are laid out and before the pull, with segment_rows(e) = the rows of local expert e's segment this call
 // (its row count rounded up to row_align), read from the block's own smem: no global loads, no
 // grid-wide ordering. The fused kernel prefetches weights there.
 template <bool kFp8, int kWarps, class AfterLayout = NoLayoutHook>
@@ -52,12 +53,14 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
   const uint64_t epoch = ld_weak_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStart, true);
+  diag::trace(diag::kDispEntry);
 
   // Phase 0: our staging and the counts we wrote last call may still be read by a destination.
   if (threadIdx.x < R)
     wait_geq_acquire_sys(site, flag_ptr(me, sym, layout::kFlagDispatchReadDone, threadIdx.x), epoch - 1,
                          "dispatch_read_done", threadIdx.x);
   __syncthreads();
+  diag::trace(diag::kDispPhase0);
 
   // Phase 1: stage our tokens in (token, chunk) units; the chunk-0 warp also stages the routing.
   SlotMeta* meta = reinterpret_cast<SlotMeta*>(me + sym.stage_meta_offset());
@@ -65,12 +68,18 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   const int64_t stage_units = int64_t(p.num_tokens) * chunks;
   for (int64_t u = first_unit<kWarps>(stage_units); u < stage_units; u += nwarps) {
     const int t = int(u / chunks), chunk = int(u % chunks);
-    if (chunk == 0) stage_routing(p, t, meta, cursor, status);
+    // Why the routing in two halves around the chunk: its loads and the chunk's are then in flight
+    // together; one after the other they made a decode call's staging two memory round trips longer.
+    RoutingSlot slot;
+    if (chunk == 0) slot = load_routing(p, t);
     stage_token_chunk<kFp8>(p, t, chunk, me + sym.stage_x_offset(),
                             reinterpret_cast<float*>(me + sym.stage_scale_offset()));
+    if (chunk == 0) stage_routing(p, t, slot, meta, cursor, status);
   }
+  diag::trace(diag::kDispStaged);
   grid_barrier(reinterpret_cast<uint32_t*>(ws + loc.grid_barrier_offset()), site);
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStaged);
+  diag::trace(diag::kDispBarrier);
 
   // Publish how many rows we send to each destination's experts, and our T.
   if (blockIdx.x == 0) {
@@ -84,6 +93,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
       fence_acq_rel_sys();
       st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReady, p.rank)), epoch);
     }
+    diag::trace(diag::kDispPublished);
   }
 
   // Phase 2: every source's counts -> our expert segments.
@@ -92,6 +102,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
                          "dispatch_ready", threadIdx.x);
   __syncthreads();
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchCounts);
+  diag::trace(diag::kDispCounts);
   int* base = smem;            // [R][E_loc]
   int* seg = smem + R * E_loc;  // [E_loc + 1]
   const int32_t* counts = reinterpret_cast<const int32_t*>(me + sym.counts_offset());
@@ -108,32 +119,12 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     max_tokens_seen = mx;
   }
   __syncthreads();
+  diag::trace(diag::kDispLayout);
 
   const layout::ExpertPoolLayout& pl = p.pool_layout;
-  if (blockIdx.x == 0) {
-    int32_t* ecount = reinterpret_cast<int32_t*>(p.pool + pl.expert_count_offset());
-    int32_t* eoff = reinterpret_cast<int32_t*>(p.pool + pl.expert_offset_offset());
-    int32_t* recv_tokens = reinterpret_cast<int32_t*>(ws + loc.recv_tokens_offset());
-    for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) {
-      eoff[e] = seg[e];
-      if (e < E_loc) ecount[e] = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e] - seg[e];
-    }
-    if (threadIdx.x < R) recv_tokens[threadIdx.x] = tokens_of[threadIdx.x];
-  }
-  // Padding rows of each segment: weight 0 and an invalid source, so nothing reads garbage.
-  // Why the clamp: counts from peers that disagree with our pool size must not write past it
-  // (pull_token_slice drops such rows the same way and reports them).
-  const int max_rows = int(pl.max_rows());
-  for (int e = blockIdx.x; e < E_loc; e += gridDim.x) {
-    const int end = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e];
-    const int pad_end = min(seg[e + 1], max_rows);
-    for (int r = end + threadIdx.x; r < pad_end; r += blockDim.x) {
-      reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[r] = 0.f;
-      reinterpret_cast<uint32_t*>(p.pool + pl.row_source_offset())[r] = kInvalidRowSource;
-    }
-  }
-
-  if (threadIdx.x == 0) after_layout([&](int e) { return seg[e + 1] - seg[e]; });
+  // Why the last warp: the hook's weight prefetch (the fused kernel) then neither delays warp 0's
+  // pull unit (unit 0 of a small call) nor is outstanding when thread 0 fences for its arrival.
+  if (threadIdx.x == (kWarps - 1) * 32) after_layout([&](int e) { return seg[e + 1] - seg[e]; });
 
   // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the
   // local copies overlap, and slices keep a small call's latency chain short.
@@ -149,15 +140,49 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     if (t < tokens_of[src]) pull_token_slice<kFp8>(p, sym, src, t, slice, base, token_rows, status);
   }
   if (stamps_phase_end(had_pull)) stamp_phase(p.phase_ts, kDispatchPulled);
+  diag::trace(diag::kDispPulled);
+
+  // The pool's expert counts and offsets, recv_tokens and the segments' padding rows. Why after the
+  // pull: nothing in this kernel reads them (the GEMM, combine and, in the megakernel, the code
+  // after the next grid barrier do), and before it they delayed a small call's pull units on the
+  // blocks that write them. Why from the last blocks: a small call's pull units sit on the first
+  // blocks (first_unit), so the two kinds of work land on different SMs.
+  if (blockIdx.x == gridDim.x - 1) {
+    int32_t* ecount = reinterpret_cast<int32_t*>(p.pool + pl.expert_count_offset());
+    int32_t* eoff = reinterpret_cast<int32_t*>(p.pool + pl.expert_offset_offset());
+    int32_t* recv_tokens = reinterpret_cast<int32_t*>(ws + loc.recv_tokens_offset());
+    for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) {
+      eoff[e] = seg[e];
+      if (e < E_loc) ecount[e] = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e] - seg[e];
+    }
+    if (threadIdx.x < R) recv_tokens[threadIdx.x] = tokens_of[threadIdx.x];
+  }
+  // Padding rows of each segment: weight 0 and an invalid source, so nothing reads garbage.
+  // Why the clamp: counts from peers that disagree with our pool size must not write past it
+  // (pull_token_slice drops such rows the same way and reports them).
+  const int max_rows = int(pl.max_rows());
+  for (int e = int(gridDim.x - 1 - blockIdx.x); e < E_loc; e += int(gridDim.x)) {
+    const int end = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e];
+    const int pad_end = min(seg[e + 1], max_rows);
+    for (int r = end + threadIdx.x; r < pad_end; r += blockDim.x) {
+      reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[r] = 0.f;
+      reinterpret_cast<uint32_t*>(p.pool + pl.row_source_offset())[r] = kInvalidRowSource;
+    }
+  }
+
+  diag::trace(diag::kDispPadding);
 
   // Phase 4.
-  if (arrive_is_last_block(reinterpret_cast<uint32_t*>(ws + loc.dispatch_arrive_offset()))) {
+  const bool last = arrive_is_last_block(reinterpret_cast<uint32_t*>(ws + loc.dispatch_arrive_offset()));
+  diag::trace(diag::kDispArrived);
+  if (last) {
     if (threadIdx.x < R)
       st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)),
                      epoch);
     for (int e = threadIdx.x; e < s.num_experts; e += blockDim.x) cursor[e] = 0;
     if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);
   }
+  diag::trace(diag::kDispEnd);
 }
 
 

@@ -11,6 +11,10 @@
 #include <cuda_runtime.h>
 
 #include "device/comm/combine_phases.cuh"
+#include "device/debug/diag_dump.h"
+#if EPMOE_DIAG_TRACE
+#include "device/debug/diag_dump_impl.h"
+#endif
 #include "device/kernels/launch_cooperative.h"
 
 namespace epmoe::comm {
@@ -18,6 +22,7 @@ namespace {
 
 template <int kPartialBytes>
 __global__ void __launch_bounds__(kCombineThreads, 1) sm90_combine_kernel(CombineParams p) {
+  diag::trace_reset();
   combine_phases<kPartialBytes, kCombineThreads / 32>(p);
 }
 
@@ -29,3 +34,7 @@ cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t 
 }
 
 }  // namespace epmoe::comm
+
+#if EPMOE_DIAG_TRACE
+void epmoe::diag::dump_combine_trace(std::FILE* out) { detail::dump(out, "combine kernel", g_trace); }
+#endif

@@ -14,6 +14,10 @@
 #include <cuda_runtime.h>
 
 #include "device/comm/dispatch_phases.cuh"
+#include "device/debug/diag_dump.h"
+#if EPMOE_DIAG_TRACE
+#include "device/debug/diag_dump_impl.h"
+#endif
 #include "device/kernels/launch_cooperative.h"
 
 namespace epmoe::comm {
@@ -22,6 +26,7 @@ namespace {
 template <bool kFp8>
 __global__ void __launch_bounds__(kCommThreads, 1) sm90_dispatch_kernel(DispatchParams p) {
   extern __shared__ int smem[];
+  diag::trace_reset();
   dispatch_phases<kFp8, kCommThreads / 32>(p, smem);
 }
 
@@ -34,3 +39,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_
 }
 
 }  // namespace epmoe::comm
+
+#if EPMOE_DIAG_TRACE
+void epmoe::diag::dump_dispatch_trace(std::FILE* out) { detail::dump(out, "dispatch kernel", g_trace); }
+#endif

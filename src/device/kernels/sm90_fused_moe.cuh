@@ -53,6 +53,7 @@
 #include "device/comm/dispatch_phases.cuh"
 #include "device/comm/grid_barrier.h"
 #include "device/comm/wait.h"
+#include "device/debug/diag_trace.cuh"
 #include "device/kernels/sm90_fused_launch.h"
 #include "device/kernels/sm90_grouped_gemm.cuh"
 #include "device/ptx/fence.cuh"
@@ -125,7 +126,9 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
       // Why here as well: dispatch wrote x_pool with generic stores before the grid barrier.
       ptx::fence_proxy_async_global();
       gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st);
+      diag::trace(diag::kFusedProdL1);
       gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target);
+      diag::trace(diag::kFusedProdL2);
     }
     if constexpr (L2::kHasStorer) {
       if (threadIdx.x == 32) {
@@ -149,8 +152,10 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
   gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
+  diag::trace(diag::kFusedMathL1, 128);
   if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
+  diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
   // L1 tiles (decode) has had no other barrier since its inc.
   ptx::named_barrier_sync(gemm::kMathBarrierBase + uint32_t(wg), 128);
@@ -179,6 +184,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
   const typename Mainloop::Pipe pipe = Mainloop::Pipe::at(bars, gemm::dyn_smem_base_s() + Layout::kBarOffset);
+  diag::trace_reset();
+  diag::trace(diag::kFusedEntry);
   if (threadIdx.x == 0) {
     if constexpr (Cfg::kHasStorer) {
       ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kStagedBarOffset),
@@ -189,6 +196,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     pipe.init(gemm::kMathWarpgroups * 4);  // one arrive per math warp (its fence covers the two above)
   }
   __syncthreads();
+  diag::trace(diag::kFusedInit);
 
   const layout::CommLocalLayout loc{p.dispatch.shape};
   uint32_t* status = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.status_offset());
@@ -226,12 +234,15 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   ptx::fence_proxy_async_global();
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
+  diag::trace(diag::kFusedBarrier1);
 
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(&map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2,
                                                        p.l2, pipe, smem, ready, p.phase_ts);
+  diag::trace(diag::kFusedGemm);
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
+  diag::trace(diag::kFusedBarrier2);
 
   // Every L2 tile has been loaded: reset the ready counters this call used (the pool's
   // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.
@@ -245,6 +256,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < used; i += int(gridDim.x * blockDim.x))
       ready[i] = 0;
   }
+  diag::trace(diag::kFusedReset);
 
   // Combine: partial sums to the source ranks, y at home.
   if (p.combine.shape.partial_bytes == 4) {
@@ -256,6 +268,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     __syncthreads();
     if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseEnd);
   }
+  diag::trace(diag::kFusedEnd);
 }
 
 }  // namespace epmoe::fused

@@ -1,0 +1,15 @@
+// Host side of device/debug/diag_trace.cuh: each kernel translation unit of a trace build
+// (-DEPMOE_DIAG_TRACE=ON) defines one of these, which copies its trace buffer and prints, per
+// trace point, how many blocks reached it and the min / median / max time after the earliest
+// block's first point, in us. Declared always, defined only in trace builds.
+#pragma once
+
+#include <cstdio>
+
+namespace epmoe::diag {
+
+void dump_dispatch_trace(std::FILE* out);  // the standalone dispatch kernel
+void dump_combine_trace(std::FILE* out);   // the standalone combine kernel
+void dump_fused_trace(std::FILE* out);     // the FP8 megakernel
+
+}  // namespace epmoe::diag

@@ -1,0 +1,59 @@
+// The trace dump shared by the kernel translation units of a trace build (diag_dump.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "device/debug/diag_trace.cuh"
+
+namespace epmoe::diag::detail {
+
+inline const char* point_name(int p) {
+  static const char* const names[] = {
+      "disp.entry", "disp.phase0", "disp.staged(t0)", "disp.barrier", "disp.published(b0)", "disp.counts",
+      "disp.layout", "disp.padding", "disp.pulled(t0)", "disp.arrived", "disp.end",
+      "comb.entry", "comb.phase0", "comb.A(t0)", "comb.arrivedA", "comb.ready", "comb.B(t0)", "comb.end",
+      "fused.entry", "fused.init", "fused.barrier1", "fused.gemm", "fused.barrier2", "fused.reset", "fused.end",
+      "disp.unit.meta(t0)", "disp.unit.stored(t0)", "comb.unit.rows(t0)", "comb.unit.summed(t0)",
+      "fused.prod.L1", "fused.prod.L2", "fused.math.L1(t128)", "fused.math.L2(t128)"};
+  return p < int(sizeof(names) / sizeof(names[0])) ? names[p] : "?";
+}
+
+// rows: kTraceBlocks x kTracePoints times in ns (0 = not reached).
+inline void print_trace(std::FILE* out, const char* kernel, const unsigned long long* rows) {
+  unsigned long long t0 = ~0ull;
+  for (int b = 0; b < kTraceBlocks; ++b)
+    for (int p = 0; p < kTracePoints; ++p)
+      if (rows[b * kTracePoints + p]) t0 = std::min(t0, rows[b * kTracePoints + p]);
+  if (t0 == ~0ull) {
+    std::fprintf(out, "[trace] %s: no points recorded\n", kernel);
+    return;
+  }
+  std::fprintf(out, "[trace] %s (us after the earliest point of any block)\n", kernel);
+  std::fprintf(out, "[trace]   %-20s %6s %9s %9s %9s %6s\n", "point", "blocks", "min", "median", "max", "maxblk");
+  for (int p = 0; p < kTracePoints; ++p) {
+    std::vector<std::pair<double, int>> v;
+    for (int b = 0; b < kTraceBlocks; ++b)
+      if (rows[b * kTracePoints + p]) v.emplace_back(double(rows[b * kTracePoints + p] - t0) / 1e3, b);
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    std::fprintf(out, "[trace]   %-20s %6zu %9.2f %9.2f %9.2f %6d\n", point_name(p), v.size(), v.front().first,
+                 v[v.size() / 2].first, v.back().first, v.back().second);
+  }
+}
+
+template <class Symbol>
+inline void dump(std::FILE* out, const char* kernel, const Symbol& symbol) {
+  std::vector<unsigned long long> rows(size_t(kTraceBlocks) * kTracePoints);
+  const cudaError_t e = cudaMemcpyFromSymbol(rows.data(), symbol, rows.size() * sizeof(unsigned long long));
+  if (e != cudaSuccess) {
+    std::fprintf(out, "[trace] %s: cudaMemcpyFromSymbol failed: %s\n", kernel, cudaGetErrorString(e));
+    return;
+  }
+  print_trace(out, kernel, rows.data());
+}
+
+}  // namespace epmoe::diag::detail
