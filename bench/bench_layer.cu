@@ -368,7 +368,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     }
   }
   EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
-#if EPMOE_DIAG_TRACE
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
   // A trace build (device/debug/diag_trace.cuh): the last call of each kernel, per block, rank by rank.
   for (int r = 0; r < R; ++r) {
     EPMOE_RETURN_IF_ERROR(comm->barrier(stream));

@@ -134,8 +134,8 @@ if [ "$mode" = trace ]; then
   # device/debug/diag_trace.cuh: each run prints, per trace point, how many blocks reached it and
   # when (min / median / max over blocks) in the last call of each kernel. One path per run, so the
   # printed call is that path's.
-  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 1)
-  [ "$ngpu" -ge 1 ] || ngpu=1
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "${ngpu:-0}" -ge 1 ] 2>/dev/null || ngpu=1
   for T in ${EPMOE_TRACE_TOKENS:-0 1 128}; do
     for path in pipeline fused; do
       step "trace_${path}_$T" 90 "$bin/epmoe-bench-trace" layer --ranks "$ngpu" --path "$path" --tokens "$T" --partials bf16

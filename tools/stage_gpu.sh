@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+build=${build%/}
 export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=OFF >/dev/null
 cmake --build "$build" -j "$(nproc)"
 rm -rf .gpu/bin && mkdir -p .gpu/bin
 for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe; do

@@ -14,7 +14,7 @@ namespace epmoe::diag::detail {
 inline const char* point_name(int p) {
   static const char* const names[] = {
       "disp.entry", "disp.phase0", "disp.staged(t0)", "disp.barrier", "disp.published(b0)", "disp.counts",
-      "disp.layout", "disp.padding", "disp.pulled(t0)", "disp.arrived", "disp.end",
+      "disp.layout", "disp.pulled(t0)", "disp.padding", "disp.arrived", "disp.end",
       "comb.entry", "comb.phase0", "comb.A(t0)", "comb.arrivedA", "comb.ready", "comb.B(t0)", "comb.end",
       "fused.entry", "fused.init", "fused.barrier1", "fused.gemm", "fused.barrier2", "fused.reset", "fused.end",
       "disp.unit.meta(t0)", "disp.unit.stored(t0)", "comb.unit.rows(t0)", "comb.unit.summed(t0)",
@@ -22,12 +22,31 @@ inline const char* point_name(int p) {
   return p < int(sizeof(names) / sizeof(names[0])) ? names[p] : "?";
 }
 
+// A block's row belongs to the last call if it starts within this of the latest-starting row. Why:
+// a block that the last call's grid did not have keeps an older call's row (only existing blocks
+// clear theirs), and the blocks of one call start within microseconds of each other, while two
+// calls of one kernel are at least a whole layer call apart.
+inline constexpr unsigned long long kSameCallWindowNs = 20000;
+
 // rows: kTraceBlocks x kTracePoints times in ns (0 = not reached).
-inline void print_trace(std::FILE* out, const char* kernel, const unsigned long long* rows) {
-  unsigned long long t0 = ~0ull;
-  for (int b = 0; b < kTraceBlocks; ++b)
+inline void print_trace(std::FILE* out, const char* kernel, const unsigned long long* rows_in) {
+  std::vector<unsigned long long> rows(rows_in, rows_in + size_t(kTraceBlocks) * kTracePoints);
+  const auto row_start = [&](int b) {
+    unsigned long long s = ~0ull;
     for (int p = 0; p < kTracePoints; ++p)
-      if (rows[b * kTracePoints + p]) t0 = std::min(t0, rows[b * kTracePoints + p]);
+      if (rows[b * kTracePoints + p]) s = std::min(s, rows[b * kTracePoints + p]);
+    return s;
+  };
+  unsigned long long latest = 0;
+  for (int b = 0; b < kTraceBlocks; ++b)
+    if (row_start(b) != ~0ull) latest = std::max(latest, row_start(b));
+  for (int b = 0; b < kTraceBlocks; ++b) {
+    const unsigned long long s = row_start(b);
+    if (s != ~0ull && s + kSameCallWindowNs < latest)
+      for (int p = 0; p < kTracePoints; ++p) rows[b * kTracePoints + p] = 0;  // an older call's row
+  }
+  unsigned long long t0 = ~0ull;
+  for (int b = 0; b < kTraceBlocks; ++b) t0 = std::min(t0, row_start(b));
   if (t0 == ~0ull) {
     std::fprintf(out, "[trace] %s: no points recorded\n", kernel);
     return;

@@ -7,6 +7,9 @@
 // (bash tools/gpu_all.sh trace).
 // One buffer per translation unit (static: the project has no relocatable device code), so each
 // kernel's .cu file defines a host dump function for its own copy (diag_dump.h).
+// The timelines are approximate: the trace build's kernels are not the measured ones (a few more
+// registers, and the decode megakernel's stack grows from 32 to 64 bytes), and the points cost a
+// store each.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +30,8 @@ enum TracePoint : int {
   kDispPublished,      // block 0: counts and T published, dispatch_ready released
   kDispCounts,         // every source's counts acquired
   kDispLayout,         // segments laid out, tokens_of read
-  kDispPadding,        // padding rows of this block's experts written
   kDispPulled,         // thread 0's warp done with its pull units
+  kDispPadding,        // after the pull: the last block's pool bookkeeping and this block's padding rows
   kDispArrived,        // past the last-block arrival (so every warp of the block is done)
   kDispEnd,            // the phases end (the last block also released read_done)
   // combine_phases

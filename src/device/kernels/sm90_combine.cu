@@ -12,7 +12,7 @@
 
 #include "device/comm/combine_phases.cuh"
 #include "device/debug/diag_dump.h"
-#if EPMOE_DIAG_TRACE
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 #include "device/debug/diag_dump_impl.h"
 #endif
 #include "device/kernels/launch_cooperative.h"
@@ -35,6 +35,6 @@ cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t 
 
 }  // namespace epmoe::comm
 
-#if EPMOE_DIAG_TRACE
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 void epmoe::diag::dump_combine_trace(std::FILE* out) { detail::dump(out, "combine kernel", g_trace); }
 #endif

@@ -15,7 +15,7 @@
 
 #include "device/comm/dispatch_phases.cuh"
 #include "device/debug/diag_dump.h"
-#if EPMOE_DIAG_TRACE
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 #include "device/debug/diag_dump_impl.h"
 #endif
 #include "device/kernels/launch_cooperative.h"
@@ -40,6 +40,6 @@ cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_
 
 }  // namespace epmoe::comm
 
-#if EPMOE_DIAG_TRACE
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 void epmoe::diag::dump_dispatch_trace(std::FILE* out) { detail::dump(out, "dispatch kernel", g_trace); }
 #endif

@@ -1,7 +1,7 @@
 // The fused MoE megakernel, FP8 instantiation (sm90_fused_moe.cuh has the kernel).
 #include "device/kernels/sm90_fused_host.cuh"
 #include "device/debug/diag_dump.h"
-#if EPMOE_DIAG_TRACE
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 #include "device/debug/diag_dump_impl.h"
 #endif
 
@@ -16,6 +16,6 @@ cudaError_t launch_sm90_fused_moe_fp8(const FusedMoeMaps& maps, const FusedMoePa
 
 }  // namespace epmoe::fused
 
-#if EPMOE_DIAG_TRACE
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 void epmoe::diag::dump_fused_trace(std::FILE* out) { detail::dump(out, "FP8 megakernel", g_trace); }
 #endif
