@@ -154,10 +154,14 @@ __device__ inline void layout_segments(const CommShape& s, const int32_t* counts
 }
 
 // Phase 3 for one slice of one (source, token): pull it once, fan it out to every local slot.
-// Why speculative: the slice's data (and for slice 0 its scales) are requested together with the
-// routing metadata, so a token costs one NVLink round trip, not three. A token with no slot here
-// wastes that read; with real routings that is rare (uniform K=8 over 2 ranks: 0.2% of tokens).
-// Slice 0 also writes token_rows (for combine), row_weight and row_source.
+// Why speculative: the slice's data (and in FP8 the scales of its 128-channel groups) are requested
+// together with the routing metadata, so a token costs one NVLink round trip, not three. A token
+// with no slot here wastes that read; with real routings that is rare (uniform K=8 over 2 ranks:
+// 0.2% of tokens). Slice 0 also writes token_rows (for combine), row_weight and row_source.
+// Why each slice its own groups' scales (an FP8 slice is 32 groups, one per lane): the scale
+// stores are scattered (x_scale is [group][row]), and at H = 7168 slice 0 storing all 56 groups
+// for every local row took ~1.7 us of a decode call's critical path (per-block trace).
+static_assert(kSliceVecs * 16 == 32 * layout::kScaleGroup, "an FP8 pull slice holds 32 scale groups, one per lane");
 template <bool kFp8>
 __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const CommSymLayout& sym, int src, int t,
                                                  int slice, const int* base, int32_t* token_rows, uint32_t* status) {
@@ -178,11 +182,9 @@ __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const 
   for (int j = 0; j < kPullVecs; ++j)
     if (v0 + j * 32 + lane < nvec) buf[j] = from[v0 + j * 32 + lane];
   const float* sc = reinterpret_cast<const float*>(peer + sym.stage_scale_offset()) + int64_t(t) * G;
-  float scale_buf[2] = {0.f, 0.f};
-  if (kFp8 && slice == 0) {
-    if (lane < G) scale_buf[0] = sc[lane];
-    if (lane + 32 < G) scale_buf[1] = sc[lane + 32];
-  }
+  const int g = slice * 32 + lane;  // FP8: this lane's scale group
+  float scale = 0.f;
+  if (kFp8 && g < G) scale = sc[g];
 
   const bool local = m.expert >= e_first && m.expert < e_first + E_loc;
   int row = local ? base[src * E_loc + (m.expert - e_first)] + m.pos : -1;
@@ -211,16 +213,11 @@ __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const 
   }
   diag::trace(diag::kDispUnitStored);
   if constexpr (kFp8) {
-    if (slice != 0) return;
     float* x_scale = reinterpret_cast<float*>(p.pool + pl.x_scale_offset());
-    // Why the uniform loop: the shuffle needs the slot lanes active even where g >= G.
-    for (int g0 = 0; g0 < G; g0 += 32) {
-      const int g = g0 + lane;
-      const float v = g0 == 0 ? scale_buf[0] : g0 == 32 ? scale_buf[1] : (g < G ? sc[g] : 0.f);
-      for (unsigned mk = mask; mk; mk &= mk - 1) {
-        const int r = __shfl_sync(0xFFFFFFFFu, row, __ffs(mk) - 1);
-        if (g < G) x_scale[int64_t(g) * pl.scale_stride() + r] = v;
-      }
+    // Why every lane in the loop: the shuffle needs the slot lanes active even where g >= G.
+    for (unsigned mk = mask; mk; mk &= mk - 1) {
+      const int r = __shfl_sync(0xFFFFFFFFu, row, __ffs(mk) - 1);
+      if (g < G) x_scale[int64_t(g) * pl.scale_stride() + r] = scale;
     }
   }
 }

@@ -106,19 +106,18 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   int* base = smem;            // [R][E_loc]
   int* seg = smem + R * E_loc;  // [E_loc + 1]
   const int32_t* counts = reinterpret_cast<const int32_t*>(me + sym.counts_offset());
-  layout_segments(s, counts, sym.counts_stride(), p.pool_layout.s.row_align, base, seg);
-  __syncthreads();
+  // Warp 0 lays out the segments while warp 1 reads every source's T: one round trip of loads and
+  // one block barrier instead of two each (a decode call's critical path runs through here).
   __shared__ int tokens_of[layout::kCommMaxRanks];
-  __shared__ int max_tokens_seen;
-  if (threadIdx.x == 0) {
-    int mx = 0;
-    for (int r = 0; r < R; ++r) {
-      tokens_of[r] = counts[r * sym.counts_stride() + E_loc];
-      mx = max(mx, tokens_of[r]);
-    }
-    max_tokens_seen = mx;
+  static_assert(kWarps >= 2, "warp 1 reads the sources' token counts");
+  layout_segments(s, counts, sym.counts_stride(), p.pool_layout.s.row_align, base, seg);
+  if (threadIdx.x >= 32 && threadIdx.x < 32 + R) {
+    const int r = int(threadIdx.x) - 32;
+    tokens_of[r] = counts[r * sym.counts_stride() + E_loc];
   }
   __syncthreads();
+  int max_tokens_seen = 0;
+  for (int r = 0; r < R; ++r) max_tokens_seen = max(max_tokens_seen, tokens_of[r]);
   diag::trace(diag::kDispLayout);
 
   const layout::ExpertPoolLayout& pl = p.pool_layout;
