@@ -34,9 +34,9 @@ struct NoLayoutHook {
 };
 
 // after_layout(segment_rows): called by lane 0 of the last warp of every block once the expert
-// segments are laid out and before the pull, with segment_rows(e) = the rows of local expert e's segment this call
-// (its row count rounded up to row_align), read from the block's own smem: no global loads, no
-// grid-wide ordering. The fused kernel prefetches weights there.
+// segments are laid out and before the pull, with segment_rows(e) = the rows of local expert e's
+// segment this call (its row count rounded up to row_align), read from the block's own smem: no
+// global loads, no grid-wide ordering. The fused kernel prefetches weights there.
 template <bool kFp8, int kWarps, class AfterLayout = NoLayoutHook>
 __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
                                                 const AfterLayout& after_layout = AfterLayout{}) {
@@ -121,8 +121,9 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   diag::trace(diag::kDispLayout);
 
   const layout::ExpertPoolLayout& pl = p.pool_layout;
-  // Why the last warp: the hook's weight prefetch (the fused kernel) then neither delays warp 0's
-  // pull unit (unit 0 of a small call) nor is outstanding when thread 0 fences for its arrival.
+  // Why the last warp: the hook's weight prefetch (the fused kernel) then does not delay warp 0's
+  // pull unit (unit 0 of a small call). (The arrival's sys fence below still waits for the
+  // prefetched bytes, whichever warp issued them: per-block trace, docs/PERFORMANCE.md.)
   if (threadIdx.x == (kWarps - 1) * 32) after_layout([&](int e) { return seg[e + 1] - seg[e]; });
 
   // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the
