@@ -10,6 +10,7 @@
 namespace {
 
 using epmoe::comm::first_unit_of;
+using epmoe::comm::source_token_slice;
 
 // How many times each of `units` units is visited by a grid of blocks x warps.
 std::vector<int> visits(int64_t units, int blocks, int warps) {
@@ -46,6 +47,25 @@ TEST(WorkUnits, FewUnitsSpreadOverBlocks) {
   // More units than that: block by block, so a block's warps take consecutive units.
   const int64_t many = int64_t(blocks) * warps;
   EXPECT_EQ(first_unit_of(many, 3, 2, blocks, warps), 2 * warps + 3);
+}
+
+TEST(WorkUnits, SourceTokenSliceCoversEveryUnitOnce) {
+  for (int R : {1, 2, 3, 8})
+    for (int rank = 0; rank < R; ++rank)
+      for (int slices : {1, 2, 7}) {
+        const int T = 5;
+        std::vector<int> seen(size_t(R) * T * slices, 0);
+        for (int64_t u = 0; u < int64_t(T) * R * slices; ++u) {
+          const auto w = source_token_slice(u, slices, R, rank);
+          ASSERT_TRUE(w.src >= 0 && w.src < R && w.t >= 0 && w.t < T && w.slice >= 0 && w.slice < slices)
+              << "u " << u << " R " << R << " slices " << slices;
+          ++seen[(size_t(w.src) * T + size_t(w.t)) * slices + size_t(w.slice)];
+          // A token's slices are consecutive units, and its first source is rank + 1.
+          if (u % (int64_t(R) * slices) == 0) EXPECT_EQ(w.src, (rank + 1) % R);
+          EXPECT_EQ(w.slice, int(u % slices));
+        }
+        for (size_t i = 0; i < seen.size(); ++i) ASSERT_EQ(seen[i], 1) << "R " << R << " rank " << rank << " unit " << i;
+      }
 }
 
 }  // namespace

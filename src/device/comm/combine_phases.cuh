@@ -187,7 +187,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.combine_epoch_offset());
   const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = ld_weak_u64(epoch_word) + 1;
+  const uint64_t epoch = ld_ca_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineStart, true);
   diag::trace(diag::kCombEntry);
 
@@ -207,10 +207,8 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const int64_t first_a = first_unit<kWarps>(units_a);
   const bool had_a = first_a < units_a;
   for (int64_t u = first_a; u < units_a; u += nwarps) {
-    const int slice = int(u % slices);
-    const int64_t item = u / slices;
-    const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
-    if (t < recv_tokens[src]) push_partial_slice<kPartialBytes>(p, sym, src, t, slice, token_rows);
+    const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
+    if (w.t < recv_tokens[w.src]) push_partial_slice<kPartialBytes>(p, sym, w.src, w.t, w.slice, token_rows);
   }
   if (stamps_phase_end(had_a)) stamp_phase(p.phase_ts, kCombinePartials);
   diag::trace(diag::kCombA);

@@ -51,7 +51,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   int32_t* cursor = reinterpret_cast<int32_t*>(ws + loc.cursor_offset());
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.dispatch_epoch_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = ld_weak_u64(epoch_word) + 1;
+  const uint64_t epoch = ld_ca_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStart, true);
   diag::trace(diag::kDispEntry);
 
@@ -135,10 +135,8 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   const int64_t first_pull = first_unit<kWarps>(units);
   const bool had_pull = first_pull < units;
   for (int64_t u = first_pull; u < units; u += nwarps) {
-    const int slice = int(u % slices);
-    const int64_t item = u / slices;
-    const int src = int((p.rank + 1 + item % R) % R), t = int(item / R);
-    if (t < tokens_of[src]) pull_token_slice<kFp8>(p, sym, src, t, slice, base, token_rows, status);
+    const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
+    if (w.t < tokens_of[w.src]) pull_token_slice<kFp8>(p, sym, w.src, w.t, w.slice, base, token_rows, status);
   }
   if (stamps_phase_end(had_pull)) stamp_phase(p.phase_ts, kDispatchPulled);
   diag::trace(diag::kDispPulled);

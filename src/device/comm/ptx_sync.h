@@ -16,19 +16,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   return v;
 }
 using ptx::ld_acquire_gpu;  // u32, shared with the GEMM's readiness counters (device/ptx/ld_st.cuh)
+// The phases' epoch words: written by the last block of the previous call, after every block of
+// this one read them, and read by every thread at once (see ptx::ld_ca_s32 for why through L1).
+using ptx::ld_ca_u64;
 __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-// A weak load that may hit L1: for a word that every thread of the grid reads at once and that no
-// block of the running kernel has written yet (the phases' epoch words: written by the last block
-// of the previous call, after every block of this one read them). Why not ld_relaxed_gpu: a
-// strong load goes to L2, and every warp of a 132-block grid asking one line at the same moment
-// queues there (the same effect cost the GEMM schedulers ~4 us per kernel; ptx::ld_ca_s32).
-__device__ __forceinline__ uint64_t ld_weak_u64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.global.ca.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {

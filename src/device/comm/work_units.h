@@ -26,6 +26,18 @@ EPMOE_HD int first_unit_of(int64_t units, int warp, int block, int blocks, int w
   return 2 * units <= int64_t(blocks) * warps ? warp * blocks + block : block * warps + warp;
 }
 
+// Unit u of a walk over (source rank, token, slice) units, as the dispatch's pull and combine's
+// phase A number them: slices of a token first, then sources, each token's sources starting at
+// rank + 1, so that at any moment the grid reads from every source (NVLink and local copies overlap).
+struct SourceTokenSlice {
+  int src, t, slice;
+};
+EPMOE_HD SourceTokenSlice source_token_slice(int64_t u, int slices, int num_ranks, int rank) {
+  const int slice = int(u % slices);
+  const int64_t item = u / slices;
+  return {int((rank + 1 + item % num_ranks) % num_ranks), int(item / num_ranks), slice};
+}
+
 #if defined(__CUDACC__)
 template <int kWarps>
 __device__ __forceinline__ int first_unit(int64_t units) {

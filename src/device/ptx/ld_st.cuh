@@ -64,7 +64,8 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
 }
 
 // Cached in L1 as well (ld.global.ca): for small arrays that every warp of every block reads and
-// nobody writes while they are read: the GEMM schedulers' expert counts and offsets. Written
+// nobody writes while they are read: the GEMM schedulers' expert counts and offsets (s32), the
+// comm phases' epoch words (u64, comm/ptx_sync.h). Written
 // before the reader's grid started (the standalone kernels), or before a grid barrier whose
 // gpu-scope acquire orders the reading block after the writers (the fused kernel: the acquire
 // also drops the SM's stale L1 lines, CCTL.IVALL in the SASS). Why not ld_cg_s32: with .cg every
@@ -73,6 +74,11 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
 __device__ __forceinline__ int ld_ca_s32(const int* p) {
   int v;
   asm volatile("ld.global.ca.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_ca_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.global.ca.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
