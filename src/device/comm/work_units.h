@@ -30,12 +30,15 @@ EPMOE_HD int first_unit_of(int64_t units, int warp, int block, int blocks, int w
 // phase A number them: slices of a token first, then sources, each token's sources starting at
 // rank + 1, so that at any moment the grid reads from every source (NVLink and local copies overlap).
 struct SourceTokenSlice {
-  int src, t, slice;
+  int slice, src, t;
 };
 EPMOE_HD SourceTokenSlice source_token_slice(int64_t u, int slices, int num_ranks, int rank) {
-  const int slice = int(u % slices);
+  SourceTokenSlice w;
+  w.slice = int(u % slices);
   const int64_t item = u / slices;
-  return {int((rank + 1 + item % num_ranks) % num_ranks), int(item / num_ranks), slice};
+  w.src = int((rank + 1 + item % num_ranks) % num_ranks);
+  w.t = int(item / num_ranks);
+  return w;
 }
 
 #if defined(__CUDACC__)
