@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
   }
   t0 = clock64();
 
-  if constexpr (V == 9 || V == 10 || V == 11) {
+  // Variants 0, 1, 6 (the halves structure) and 9-11 (the same with a feed and / or A in registers).
+  if constexpr (V == 0 || V == 1 || V == 6 || V == 9 || V == 10 || V == 11) {
     float acc[128], tmp[64];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -194,31 +195,6 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
           __syncwarp();
           if (lane == 0) asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bars + 8 * (kStages + s)) : "memory");
         }
-        promote<64>(acc + 64 * h, tmp, s0, s1);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 128; ++i) result += acc[i];
-  } else if constexpr (V == 0 || V == 1 || V == 6) {
-    float acc[128], tmp[64];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const int s = kb % kStages;
-      uint8_t* st = smem + s * kStageBytes;
-      const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes);
-      const float s0 = sa[r0] * sb, s1 = sa[r0 + 8] * sb;
-      const uint64_t da = desc(st + mw * 64 * 128);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint64_t db = desc(st + kABytes + h * 128 * 128);
-        fence_regs(tmp);
-        wg_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(tmp);
         promote<64>(acc + 64 * h, tmp, s0, s1);
       }
     }
