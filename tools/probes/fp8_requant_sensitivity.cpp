@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <vector>
 
 #include "reference/data.h"
@@ -34,7 +35,19 @@ int main(int argc, char** argv) {
   const int tokens = arg(5, 200);
   p.T_max = tokens;
   p.dtype = DType::kFP8;
-  check_problem(p);
+  // Why these checks here: the experts of a token are drawn distinct (K <= E), and the statistics
+  // need at least one token.
+  if (tokens < 1 || p.K < 1 || p.K > p.E) {
+    std::fprintf(stderr, "epmoe-fp8-sensitivity: need tokens >= 1 and 1 <= K <= E (got tokens %d, K %d, E %d)\n",
+                 tokens, p.K, p.E);
+    return 2;
+  }
+  try {
+    check_problem(p);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "epmoe-fp8-sensitivity: %s\n", e.what());
+    return 2;
+  }
   const uint64_t seed = fresh_seed();
   std::printf("fp8 requantization sensitivity: H %d I %d K %d E %d, %d tokens, seed %llu\n", p.H, p.I, p.K, p.E,
               tokens, static_cast<unsigned long long>(seed));
