@@ -90,6 +90,16 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       const std::string v(env);
       fused_epilogue_ = v == "inline" ? 1 : v == "deferred" ? 2 : 0;
     }
+    // Benchmark / A-B switches for the megakernel's weight prefetch (K blocks, 0..64) and B-first
+    // loads (0 or 1); out-of-range values are ignored (docs/MEGAKERNEL.md).
+    if (const char* env = std::getenv("EPMOE_FUSED_PREFETCH")) {
+      const int v = std::atoi(env);
+      if (v >= 0 && v <= 64) fused_prefetch_ = v;
+    }
+    if (const char* env = std::getenv("EPMOE_FUSED_B_FIRST")) {
+      const int v = std::atoi(env);
+      if (v == 0 || v == 1) fused_b_first_ = v;
+    }
     return agree_across_ranks(planned);
   }
 
@@ -175,6 +185,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.l2 = plan_l2_.params;
       fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
       fp.phase_ts = nullptr;
+      fp.prefetch_k_blocks = fused_prefetch_;
+      fp.b_first = fused_b_first(num_tokens) ? 1 : 0;
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
         const Status z = detail::cuda_status(
@@ -295,6 +307,23 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel
   int fused_epilogue_ = 0;            // 0: per call (fused_deferred), 1: inline, 2: deferred
+  // K blocks of its first L1 weight tile each block of the megakernel prefetches into L2 during the
+  // pull. Why 0: since the GEMM tiles wait for their rows and not for a grid barrier (twelfth
+  // session), the prefetch's 34 MB (8 K blocks) only delayed the pull; at R = 1 no prefetch was
+  // fastest at 1, 8 and 128 tokens (docs/MEGAKERNEL.md). To be measured again at R >= 2, where the
+  // pull waits on NVLink.
+  int fused_prefetch_ = 0;
+  int fused_b_first_ = -1;  // -1: per call (fused_b_first), 0: off, 1: on
+
+  // Whether the megakernel's GEMM producers load a tile's weights before its rows are ready: when
+  // the call is so small that an expert holds at most one row on average (num_tokens x topk <=
+  // experts_per_rank), i.e. the pull is a few units and the weight stream is the critical path.
+  // Measured at R = 1 (docs/MEGAKERNEL.md): 3 us less at 1 token, level at 8, 4-6 us more at 128
+  // (there the early weight loads slow the pull, which every tile waits for).
+  bool fused_b_first(int num_tokens) const {
+    if (fused_b_first_ >= 0) return fused_b_first_ == 1;
+    return int64_t(num_tokens) * cfg_.topk <= int64_t(cfg_.experts_per_rank());
+  }
 
   // The megakernel's variant for a call of num_tokens local tokens: the throughput variant (TMA
   // stores of full tiles by a storer thread) once an expert holds 256 rows on average

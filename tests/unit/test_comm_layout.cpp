@@ -82,7 +82,8 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                            {l.cursor_offset(), l.cursor_bytes()},
                            {l.token_rows_offset(), l.token_rows_bytes()},
                            {l.recv_tokens_offset(), l.recv_tokens_bytes()},
-                           {l.mblock_ready_offset(), l.mblock_ready_bytes()}},
+                           {l.mblock_ready_offset(), l.mblock_ready_bytes()},
+                           {l.mblock_arrive_offset(), l.mblock_ready_bytes()}},
                           l.num_bytes());
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
   EXPECT_EQ(l.token_rows_bytes(), int64_t(4) * 1000 * 8 * 4);
@@ -97,7 +98,8 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                                  {l.dispatch_epoch_offset(), 8},
                                  {l.combine_epoch_offset(), 8},
                                  {l.combine_done_arrive_offset(), 4},
-                                 {l.timeout_record_offset(), 8}},
+                                 {l.timeout_record_offset(), 8},
+                                 {l.layout_epoch_offset(), 8}},
                                 l.control_bytes());
 }
 

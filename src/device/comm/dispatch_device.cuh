@@ -162,9 +162,14 @@ __device__ inline void layout_segments(const CommShape& s, const int32_t* counts
 // stores are scattered (x_scale is [group][row]), and at H = 7168 slice 0 storing all 56 groups
 // for every local row took ~1.7 us of a decode call's critical path (per-block trace).
 static_assert(kSliceVecs * 16 == 32 * layout::kScaleGroup, "an FP8 pull slice holds 32 scale groups, one per lane");
-template <bool kFp8>
+// kArrive (the megakernel): once the slice and its scales are stored, each slot lane adds 1 to
+// arrive[row / 128], its pool m-block's arrival counter (docs/MEGAKERNEL.md). Why the proxy fence
+// in every lane before the warp barrier and the one release per row: the next reader is the GEMM's
+// TMA (async proxy) on any SM, and each release covers what the whole warp stored.
+template <bool kFp8, bool kArrive = false>
 __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const CommSymLayout& sym, int src, int t,
-                                                 int slice, const int* base, int32_t* token_rows, uint32_t* status) {
+                                                 int slice, const int* base, int32_t* token_rows, uint32_t* status,
+                                                 uint32_t* arrive = nullptr) {
   const CommShape& s = p.shape;
   const int K = s.topk, E_loc = s.experts_per_rank(), lane = threadIdx.x & 31;
   const int e_first = p.rank * E_loc;
@@ -219,6 +224,12 @@ __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const 
       const int r = __shfl_sync(0xFFFFFFFFu, row, __ffs(mk) - 1);
       if (g < G) x_scale[int64_t(g) * pl.scale_stride() + r] = scale;
     }
+  }
+  if constexpr (kArrive) {
+    static_assert(CommLocalLayout::kReadyBlockRows == 128, "arrival counters per 128-row pool block");
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (row >= 0) ptx::red_add_release_gpu(arrive + (row >> 7), 1u);
   }
 }
 

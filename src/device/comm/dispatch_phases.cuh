@@ -8,6 +8,15 @@
 //   3  pull tokens, write x_pool / x_scale / row_weight / row_source / token_rows
 //   4  last block: tell every source we are done reading, reset cursors, advance the epoch
 // smem: (R + 1) * E_loc + 1 ints of scratch (dynamic shared memory of the caller).
+//
+// In the megakernel (kMegakernel) a block goes from its own pull straight to its GEMM tiles, with
+// no grid barrier in between (docs/MEGAKERNEL.md), so three things differ:
+// - the last block writes the pool's counts and offsets right after the segment layout and
+//   releases the layout epoch word; the GEMM schedulers acquire it;
+// - every pull unit adds 1 per (row, slice) it wrote to the row's m-block arrival counter, with a
+//   gpu-scope release after a proxy fence (the GEMM's TMA reads the rows next);
+// - phase 4 is not run here: the kernel calls dispatch_finish from block 0 after a later grid
+//   barrier (the sources' staging is free once every block has pulled).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -37,9 +46,41 @@ struct NoLayoutHook {
 // segments are laid out and before the pull, with segment_rows(e) = the rows of local expert e's
 // segment this call (its row count rounded up to row_align), read from the block's own smem: no
 // global loads, no grid-wide ordering. The fused kernel prefetches weights there.
-template <bool kFp8, int kWarps, class AfterLayout = NoLayoutHook>
-__device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
-                                                const AfterLayout& after_layout = AfterLayout{}) {
+// The pool's expert counts and offsets (E_loc + 1) and recv_tokens, from the block's layout.
+__device__ __forceinline__ void write_pool_counts(const DispatchParams& p, const int* base, const int* seg,
+                                                  const int32_t* counts, int64_t counts_stride, const int* tokens_of) {
+  const int R = p.shape.num_ranks, E_loc = p.shape.experts_per_rank();
+  const layout::ExpertPoolLayout& pl = p.pool_layout;
+  int32_t* ecount = reinterpret_cast<int32_t*>(p.pool + pl.expert_count_offset());
+  int32_t* eoff = reinterpret_cast<int32_t*>(p.pool + pl.expert_offset_offset());
+  int32_t* recv_tokens = reinterpret_cast<int32_t*>(p.local_ws + CommLocalLayout{p.shape}.recv_tokens_offset());
+  for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) {
+    eoff[e] = seg[e];
+    if (e < E_loc) ecount[e] = base[(R - 1) * E_loc + e] + counts[(R - 1) * counts_stride + e] - seg[e];
+  }
+  if (threadIdx.x < R) recv_tokens[threadIdx.x] = tokens_of[threadIdx.x];
+}
+
+// Phase 4, by every thread of one block once every block has pulled: tell every source we are done
+// reading its staging, reset the cursors, advance the epoch. `epoch` is this call's; the megakernel
+// passes 0 and it is read again here (the word advances only below), so that no register holds it
+// through the GEMM phase.
+__device__ __forceinline__ void dispatch_finish(const DispatchParams& p, uint64_t epoch) {
+  const CommShape& s = p.shape;
+  const CommSymLayout sym{s};
+  const CommLocalLayout loc{s};
+  if (epoch == 0) epoch = ld_ca_u64(reinterpret_cast<const uint64_t*>(p.local_ws + loc.dispatch_epoch_offset())) + 1;
+  if (threadIdx.x < s.num_ranks)
+    st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)), epoch);
+  int32_t* cursor = reinterpret_cast<int32_t*>(p.local_ws + loc.cursor_offset());
+  for (int e = threadIdx.x; e < s.num_experts; e += blockDim.x) cursor[e] = 0;
+  if (threadIdx.x == 0) st_relaxed_gpu(reinterpret_cast<uint64_t*>(p.local_ws + loc.dispatch_epoch_offset()), epoch);
+}
+
+// Returns this call's dispatch epoch.
+template <bool kFp8, int kWarps, bool kMegakernel = false, class AfterLayout = NoLayoutHook>
+__device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int* smem,
+                                                    const AfterLayout& after_layout = AfterLayout{}) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
@@ -119,6 +160,14 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   __syncthreads();
   int max_tokens_seen = 0;
   for (int r = 0; r < R; ++r) max_tokens_seen = max(max_tokens_seen, tokens_of[r]);
+  if constexpr (kMegakernel) {
+    // Why the last block: a small call's pull units sit on the first blocks (first_unit).
+    if (blockIdx.x == gridDim.x - 1) {
+      write_pool_counts(p, base, seg, counts, sym.counts_stride(), tokens_of);
+      __syncthreads();
+      if (threadIdx.x == 0) st_release_gpu(reinterpret_cast<uint64_t*>(ws + loc.layout_epoch_offset()), epoch);
+    }
+  }
   diag::trace(diag::kDispLayout);
 
   const layout::ExpertPoolLayout& pl = p.pool_layout;
@@ -130,13 +179,15 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the
   // local copies overlap, and slices keep a small call's latency chain short.
   int32_t* token_rows = reinterpret_cast<int32_t*>(ws + loc.token_rows_offset());
+  uint32_t* arrive = kMegakernel ? reinterpret_cast<uint32_t*>(ws + loc.mblock_arrive_offset()) : nullptr;
   const int slices = pull_slices(s);
   const int64_t units = int64_t(max_tokens_seen) * R * slices;
   const int64_t first_pull = first_unit<kWarps>(units);
   const bool had_pull = first_pull < units;
   for (int64_t u = first_pull; u < units; u += nwarps) {
     const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
-    if (w.t < tokens_of[w.src]) pull_token_slice<kFp8>(p, sym, w.src, w.t, w.slice, base, token_rows, status);
+    if (w.t < tokens_of[w.src])
+      pull_token_slice<kFp8, kMegakernel>(p, sym, w.src, w.t, w.slice, base, token_rows, status, arrive);
   }
   if (stamps_phase_end(had_pull)) stamp_phase(p.phase_ts, kDispatchPulled);
   diag::trace(diag::kDispPulled);
@@ -146,16 +197,8 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   // after the next grid barrier do), and before it they delayed a small call's pull units on the
   // blocks that write them. Why from the last blocks: a small call's pull units sit on the first
   // blocks (first_unit), so the two kinds of work land on different SMs.
-  if (blockIdx.x == gridDim.x - 1) {
-    int32_t* ecount = reinterpret_cast<int32_t*>(p.pool + pl.expert_count_offset());
-    int32_t* eoff = reinterpret_cast<int32_t*>(p.pool + pl.expert_offset_offset());
-    int32_t* recv_tokens = reinterpret_cast<int32_t*>(ws + loc.recv_tokens_offset());
-    for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) {
-      eoff[e] = seg[e];
-      if (e < E_loc) ecount[e] = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e] - seg[e];
-    }
-    if (threadIdx.x < R) recv_tokens[threadIdx.x] = tokens_of[threadIdx.x];
-  }
+  if (!kMegakernel && blockIdx.x == gridDim.x - 1)
+    write_pool_counts(p, base, seg, counts, sym.counts_stride(), tokens_of);
   // Padding rows of each segment: weight 0 and an invalid source, so nothing reads garbage.
   // Why the clamp: counts from peers that disagree with our pool size must not write past it
   // (pull_token_slice drops such rows the same way and reports them).
@@ -171,22 +214,20 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
 
   diag::trace(diag::kDispPadding);
 
-  // Phase 4.
-  const bool last = arrive_is_last_block(reinterpret_cast<uint32_t*>(ws + loc.dispatch_arrive_offset()));
-  diag::trace(diag::kDispArrived);
-  if (last) {
-    if (threadIdx.x < R)
-      st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)),
-                     epoch);
-    for (int e = threadIdx.x; e < s.num_experts; e += blockDim.x) cursor[e] = 0;
-    if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);
+  // Phase 4 (the megakernel runs it after a later grid barrier).
+  if constexpr (!kMegakernel) {
+    const bool last = arrive_is_last_block(reinterpret_cast<uint32_t*>(ws + loc.dispatch_arrive_offset()));
+    diag::trace(diag::kDispArrived);
+    if (last) dispatch_finish(p, epoch);
   }
   diag::trace(diag::kDispEnd);
+  return epoch;
 }
 
 
 }  // namespace dispatch_detail
 
+using dispatch_detail::dispatch_finish;
 using dispatch_detail::dispatch_phases;
 
 }  // namespace epmoe::comm

@@ -143,4 +143,17 @@ __device__ __forceinline__ uint64_t wait_geq_acquire_sys(const WaitSite& site, c
   return ld_acquire_sys(p);
 }
 
+// The same for a writer on this GPU (gpu-scope acquire).
+__device__ __forceinline__ uint64_t wait_geq_acquire_gpu(const WaitSite& site, const uint64_t* p, uint64_t expected,
+                                                         const char* flag, int index) {
+  uint64_t seen = ld_acquire_gpu_u64(p);
+  if (seen >= expected) return seen;
+  const uint64_t start = globaltimer_ns();
+  while ((seen = ld_relaxed_gpu(p)) < expected) {
+    const uint64_t waited = globaltimer_ns() - start;
+    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
+  }
+  return ld_acquire_gpu_u64(p);
+}
+
 }  // namespace epmoe::comm

@@ -16,7 +16,7 @@ inline const char* point_name(int p) {
       "disp.entry", "disp.phase0", "disp.staged(t0)", "disp.barrier", "disp.published(b0)", "disp.counts",
       "disp.layout", "disp.pulled(t0)", "disp.padding", "disp.arrived", "disp.end",
       "comb.entry", "comb.phase0", "comb.A(t0)", "comb.arrivedA", "comb.ready", "comb.B(t0)", "comb.end",
-      "fused.entry", "fused.init", "fused.barrier1", "fused.gemm", "fused.barrier2", "fused.reset", "fused.end",
+      "fused.entry", "fused.init", "fused.dispatched", "fused.gemm", "fused.barrier2", "fused.reset", "fused.end",
       "disp.unit.meta(t0)", "disp.unit.stored(t0)", "comb.unit.rows(t0)", "comb.unit.summed(t0)",
       "fused.prod.L1", "fused.prod.L2", "fused.math.L1(t128)", "fused.math.L2(t128)"};
   return p < int(sizeof(names) / sizeof(names[0])) ? names[p] : "?";

@@ -30,25 +30,53 @@ struct Sm90TmaProducer {
 
   // Loads every K block of every tile of this block, in the order the math warpgroups consume
   // them; each load waits (bounded) until the consumers released its stage.
-  // `ready` (optional, the fused kernel's L2): before a tile's first load, wait until
-  // ready[tile.row0 / BLOCK_M] >= target, i.e. every L1 tile of those pool rows is stored.
-  __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0) {
+  // `ready` (optional, the fused kernel): before a tile's first load, wait until
+  // ready[tile.row0 / BLOCK_M] >= target + per_row x tile.rows_valid. The fused L2 passes its
+  // L1 readiness counters (target: every L1 tile of those pool rows is stored, per_row 0), the
+  // fused L1 the dispatch's arrival counters (target 0, per_row: the pull slices of one row).
+  // b_first (with `ready`): when a tile's rows are not ready at the first look, its weights go
+  // first: B of its first K blocks (up to one per stage) into stages as the consumers release them,
+  // then the wait, then A (and the scales) into the same stages. Each stage's full barrier expects
+  // all of its bytes from the start, so the consumers see it complete only once A has landed too.
+  // Why: the weight stream (a decode call's critical path) then starts while the rows arrive.
+  __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
+                      bool b_first = false) {
     ptx::prefetch_tensormap(tmap_a);
     ptx::prefetch_tensormap(tmap_b);
     const int num_k_blocks = p->k / kBlockK;
     scheduler::GemmTile tile;
     while (sched.next(tile)) {
+      int kb = 0;
       if (ready) {
-        if (!wait_ready(ready + tile.row0 / Scheduler::kTileM, target))
-          pipeline::report_timeout(pipeline::WaitSite::kProducerReady, st.index, st.phase, sched.next_linear);
-        // Why: the rows were written with generic stores and are read next by TMA (async proxy).
-        ptx::fence_proxy_async_global();
+        const uint32_t* w = ready + tile.row0 / Scheduler::kTileM;
+        const uint32_t need = target + per_row * uint32_t(tile.rows_valid);
+        if (b_first && !is_ready(w, need)) {
+          const pipeline::PipelineState<kStages> first = st;
+          const int ahead = min(kStages, num_k_blocks);
+          for (; kb < ahead; ++kb) issue_b(tile, kb);
+          wait_or_report(w, need);
+          pipeline::PipelineState<kStages> s = first;
+          for (int j = 0; j < ahead; ++j, ++s) issue_a(tile, j, pipe.producer_barrier(s), s.index);
+        } else {
+          wait_or_report(w, need);
+        }
       }
-      for (int kb = 0; kb < num_k_blocks; ++kb) issue(tile, kb);
+      for (; kb < num_k_blocks; ++kb) issue(tile, kb);
     }
   }
 
  private:
+  // Why a signed difference: see wait_ready.
+  __device__ static bool is_ready(const uint32_t* w, uint32_t target) {
+    return int32_t(ptx::ld_acquire_gpu(w) - target) >= 0;
+  }
+  __device__ void wait_or_report(const uint32_t* w, uint32_t target) {
+    if (!wait_ready(w, target))
+      pipeline::report_timeout(pipeline::WaitSite::kProducerReady, st.index, st.phase, sched.next_linear);
+    // Why: the rows were written with generic stores and are read next by TMA (async proxy).
+    ptx::fence_proxy_async_global();
+  }
+
   __device__ static bool wait_ready(const uint32_t* w, uint32_t target) {
     // Why a signed difference: the counters restart from 0 every call, but this stays right
     // even if they were ever allowed to wrap.
@@ -65,17 +93,35 @@ struct Sm90TmaProducer {
 
   // Loads K block kb of the tile into the next stage, once the consumers have released it.
   __device__ void issue(const scheduler::GemmTile& tile, int kb) {
-    if (!pipe.producer_acquire(st))
-      pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
-    uint64_t* full = pipe.producer_barrier(st);
-    ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes);
+    uint64_t* full = take_stage();
     ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
-    ptx::tma_load_2d(smem + Layout::b_offset(st.index), tmap_b, full, kb * kBlockK,
-                     tile.expert * p->n + tile.n_block * kBlockN);
+    load_b(tile, kb, full, st.index);
     if constexpr (kFp8)
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(st.index), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
                          Layout::kScaleA, full);
     ++st;
+  }
+  // The same in two halves (b_first): B into the next stage now, A into it later.
+  __device__ void issue_b(const scheduler::GemmTile& tile, int kb) {
+    load_b(tile, kb, take_stage(), st.index);
+    ++st;
+  }
+  __device__ uint64_t* take_stage() {
+    if (!pipe.producer_acquire(st))
+      pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
+    uint64_t* full = pipe.producer_barrier(st);
+    ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes);
+    return full;
+  }
+  __device__ void issue_a(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
+    ptx::tma_load_2d(smem + Layout::a_offset(stage), tmap_a, full, kb * kBlockK, tile.row0);
+    if constexpr (kFp8)
+      ptx::bulk_copy_g2s(smem + Layout::sa_offset(stage), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
+                         Layout::kScaleA, full);
+  }
+  __device__ void load_b(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
+    ptx::tma_load_2d(smem + Layout::b_offset(stage), tmap_b, full, kb * kBlockK,
+                     tile.expert * p->n + tile.n_block * kBlockN);
   }
 };
 

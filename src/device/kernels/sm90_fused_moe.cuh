@@ -117,17 +117,18 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const CUtensorMap* b2, const CUtensorMap* d2,
                                                  const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
-                                                 uint32_t* ready, unsigned long long* phase_ts) {
+                                                 const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
+                                                 bool b_first, unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   typename L1::Mainloop::State st{};
   if (threadIdx.x / 128 == gemm::kProducerWarpgroup) {
     ptx::setmaxnreg_dec<gemm::kProducerRegs>();
     if (threadIdx.x == 0) {
-      // Why here as well: dispatch wrote x_pool with generic stores before the grid barrier.
-      ptx::fence_proxy_async_global();
-      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st);
+      // An L1 tile's rows are loaded once the dispatch's pullers wrote all of them (arrive[m-block]
+      // = valid rows x pull slices); the producer fences the proxies after each acquire.
+      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first);
       diag::trace(diag::kFusedProdL1);
-      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target);
+      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first);
       diag::trace(diag::kFusedProdL2);
     }
     if constexpr (L2::kHasStorer) {
@@ -164,11 +165,6 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   if (!r.ok) pipeline::report_timeout(r.site, r.stage, r.phase, r.tile);
 }
 
-// K blocks of its first L1 weight tile each block prefetches into L2 during the pull: 8 x 32 KB x
-// 132 blocks = 34 MB, under the 50 MB L2 and streamed in ~10 us, well within the pull of a
-// decode call (~30 us at 128 tokens per rank).
-inline constexpr int kPrefetchKBlocks = 8;
-
 // map_d1 / map_d2: the L1 and L2 output pools as the deferred epilogues store them (used by the
 // throughput variant only).
 template <bool kFp8, bool kDeferred>
@@ -202,6 +198,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   uint32_t* status = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.status_offset());
   uint32_t* barrier_word = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.grid_barrier_offset());
   uint32_t* ready = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_ready_offset());
+  uint32_t* arrive = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_arrive_offset());
   const comm::WaitSite site{p.dispatch.rank, p.dispatch.timeout_ns, status, p.dispatch.timeout_record};
 
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseStart, true);
@@ -223,28 +220,39 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       }
       int m_block = 0, n_block = 0;
       Sched::locate(local, m_blocks, n_tiles, m_block, n_block);
-      const int k_blocks = min(kPrefetchKBlocks, p.l1.k / Cfg::L1::kBlockK);
+      const int k_blocks = min(p.prefetch_k_blocks, p.l1.k / Cfg::L1::kBlockK);
       for (int kb = 0; kb < k_blocks; ++kb)
         ptx::tma_prefetch_2d_l2(&map_b1, kb * Cfg::L1::kBlockK, e * p.l1.n + n_block * gemm::kBlockN);
       return;
     }
   };
-  comm::dispatch_phases<kFp8, Cfg::kWarps>(p.dispatch, reinterpret_cast<int*>(smem), prefetch_first_weights);
+  const uint64_t dispatch_epoch = comm::dispatch_phases<kFp8, Cfg::kWarps, /*kMegakernel=*/true>(
+      p.dispatch, reinterpret_cast<int*>(smem), prefetch_first_weights);
+  // No grid barrier: this block's GEMM tiles start once the pool's counts are published (the
+  // layout epoch word, released by the block that wrote them) and, tile by tile, once their rows
+  // arrived (the L1 producer waits on arrive[]). The smem scratch of dispatch was read with generic
+  // loads and is overwritten by TMA next.
   ptx::fence_proxy_async_shared_cta();
-  ptx::fence_proxy_async_global();
-  comm::grid_barrier(barrier_word, site);
+  if (threadIdx.x == 0)
+    comm::wait_geq_acquire_gpu(site, reinterpret_cast<const uint64_t*>(p.dispatch.local_ws + loc.layout_epoch_offset()),
+                               dispatch_epoch, "layout_epoch", int(blockIdx.x));
+  __syncthreads();
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
-  fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(&map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2,
-                                                       p.l2, pipe, smem, ready, p.phase_ts);
+  fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
+      &map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
+      uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.b_first != 0, p.phase_ts);
   diag::trace(diag::kFusedGemm);
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
   diag::trace(diag::kFusedBarrier2);
 
-  // Every L2 tile has been loaded: reset the ready counters this call used (the pool's
+  // Every block has pulled: the sources' staging is free (dispatch's phase 4).
+  if (blockIdx.x == 0) comm::dispatch_finish(p.dispatch, 0);
+
+  // Every L2 tile has been loaded: reset the arrival and ready counters this call used (the pool's
   // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.
   {
     // L1-cached: every thread of the grid reads this word here (ptx::ld_ca_s32).
@@ -253,8 +261,10 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     // the counters (the dispatch drops such rows and reports them).
     const int used = min(int(loc.mblock_ready_count()),
                          (used_rows + layout::CommLocalLayout::kReadyBlockRows - 1) / layout::CommLocalLayout::kReadyBlockRows);
-    for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < used; i += int(gridDim.x * blockDim.x))
+    for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < used; i += int(gridDim.x * blockDim.x)) {
       ready[i] = 0;
+      arrive[i] = 0;
+    }
   }
   diag::trace(diag::kFusedReset);
 

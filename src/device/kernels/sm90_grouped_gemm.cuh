@@ -96,12 +96,13 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     const GroupedGemmParams& p,
                                                     const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
                                                     typename Cfg::Mainloop::State& st,
-                                                    const uint32_t* ready = nullptr, uint32_t target = 0) {
+                                                    const uint32_t* ready = nullptr, uint32_t target = 0,
+                                                    uint32_t per_row = 0, bool b_first = false) {
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
                                   typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
   producer.st = st;
-  producer.run(ready, target);
+  producer.run(ready, target, per_row, b_first);
   st = producer.st;
 }
 

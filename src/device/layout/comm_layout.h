@@ -89,7 +89,10 @@ struct CommLocalLayout {
   // written once at create. Why here too (the params carry it as well): a WaitSite built only from
   // (rank, timeout, status word) finds it next to the status word (see comm/wait.h).
   EPMOE_HD int64_t timeout_record_offset() const { return 40; }
-  EPMOE_HD int64_t control_bytes() const { return 48; }
+  // u64: the fused kernel's dispatch epoch whose pool counts and offsets are written (the block
+  // that writes them releases it; every block acquires it before its GEMM tiles). Never reset.
+  EPMOE_HD int64_t layout_epoch_offset() const { return 48; }
+  EPMOE_HD int64_t control_bytes() const { return 56; }
 
   // [E] int32: per global expert, rows this rank sends there in the current call (atomic cursor).
   EPMOE_HD int64_t cursor_bytes() const { return int64_t(s.num_experts) * 4; }
@@ -109,12 +112,16 @@ struct CommLocalLayout {
     return (rows + kReadyBlockRows - 1) / kReadyBlockRows;
   }
   EPMOE_HD int64_t mblock_ready_bytes() const { return mblock_ready_count() * 4; }
+  // [pool m-blocks] u32: the fused kernel's dispatch -> L1 arrival counter per 128-row block of the
+  // pool: +1 per (row, pull slice) written, so an m-block of n valid rows has arrived at n x slices.
+  // Same count as ready[], reset with it.
 
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
   EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
   EPMOE_HD int64_t recv_tokens_offset() const { return next(token_rows_offset(), token_rows_bytes()); }
   EPMOE_HD int64_t mblock_ready_offset() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
-  EPMOE_HD int64_t num_bytes() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
+  EPMOE_HD int64_t mblock_arrive_offset() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(mblock_arrive_offset(), mblock_ready_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }
