@@ -245,13 +245,15 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
   return build_plan(fp8, GemmStage::kL2, g, a, w2, hidden, inter, p, out);
 }
 
-Status launch(const GemmPlan& plan, cudaStream_t stream) {
+Status launch(const GemmPlan& plan, cudaStream_t stream, bool weights_evict_first) {
   if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
   const GemmStage stage = plan.l1 ? GemmStage::kL1 : GemmStage::kL2;
+  GroupedGemmParams params = plan.params;
+  params.weights_evict_first = weights_evict_first ? 1 : 0;
   EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d,
-                                                                     plan.params, plan.grid, stream)
+                                                                     params, plan.grid, stream)
                              : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.map_d,
-                                                                      plan.params, plan.grid, stream));
+                                                                      params, plan.grid, stream));
   return Status::Ok();
 }
 

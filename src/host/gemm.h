@@ -99,6 +99,9 @@ Status plan_l2(DType dtype, const GroupedArgs& args, const void* a, const float*
 
 // Enqueues the planned kernel on `stream` (cudaLaunchKernelEx; no other CUDA call). The plan's
 // device must be current. Fails only on an empty plan or when the launch itself fails.
-Status launch(const GemmPlan& plan, cudaStream_t stream);
+// weights_evict_first: this call's weight tiles of single-m-block experts go through L2 with an
+// evict-first policy (GroupedGemmParams::weights_evict_first; the layer sets it for its smallest
+// decode calls).
+Status launch(const GemmPlan& plan, cudaStream_t stream, bool weights_evict_first = false);
 
 }  // namespace epmoe::gemm

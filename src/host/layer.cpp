@@ -183,6 +183,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.dispatch = detail::DispatchAccess::dispatch_params(*dispatch_, x, topk_idx, topk_weights, num_tokens);
       fp.l1 = plan_l1_.params;
       fp.l2 = plan_l2_.params;
+      fp.l1.weights_evict_first = fp.l2.weights_evict_first = tiny_call(num_tokens) ? 1 : 0;
       fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
       fp.phase_ts = nullptr;
       fp.prefetch_k_blocks = fused_prefetch_;
@@ -222,9 +223,9 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // From here on every peer waits for this rank's combine: an error no longer returns early.
     // It is kept, combine still runs (y is then undefined), and the first one is returned.
     record(1, stream);
-    Status st = gemm::launch(plan_l1_, stream);
+    Status st = gemm::launch(plan_l1_, stream, tiny_call(num_tokens));
     record(2, stream);
-    if (st.ok()) st = gemm::launch(plan_l2_, stream);
+    if (st.ok()) st = gemm::launch(plan_l2_, stream, tiny_call(num_tokens));
     record(3, stream);
     Status combined = dispatch_->combine(y, num_tokens, stream);
     record(4, stream);
@@ -315,14 +316,18 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   int fused_prefetch_ = 0;
   int fused_b_first_ = -1;  // -1: per call (fused_b_first), 0: off, 1: on
 
-  // Whether the megakernel's GEMM producers load a tile's weights before its rows are ready: when
-  // the call is so small that an expert holds at most one row on average (num_tokens x topk <=
-  // experts_per_rank), i.e. the pull is a few units and the weight stream is the critical path.
-  // Measured at R = 1 (docs/MEGAKERNEL.md): 3 us less at 1 token, level at 8, 4-6 us more at 128
-  // (there the early weight loads slow the pull, which every tile waits for).
+  // The smallest decode calls: an expert holds at most one row on average (num_tokens x topk <=
+  // experts_per_rank, with every rank at num_tokens), so the pull is a few units, the weight
+  // stream is the critical path and every weight tile is read once. Both paths then load weights
+  // with an L2 evict-first policy (gemm::launch), and the megakernel's producers load a tile's
+  // weights before its rows are ready (fused_b_first). Measured at R = 1 (docs/MEGAKERNEL.md,
+  // twelfth session): each gains at 1 token and costs at 8 or 128.
+  bool tiny_call(int num_tokens) const {
+    return int64_t(num_tokens) * cfg_.topk <= int64_t(cfg_.experts_per_rank());
+  }
   bool fused_b_first(int num_tokens) const {
     if (fused_b_first_ >= 0) return fused_b_first_ == 1;
-    return int64_t(num_tokens) * cfg_.topk <= int64_t(cfg_.experts_per_rank());
+    return tiny_call(num_tokens);
   }
 
   // The megakernel's variant for a call of num_tokens local tokens: the throughput variant (TMA

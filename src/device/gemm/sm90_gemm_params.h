@@ -34,6 +34,9 @@ struct GroupedGemmParams {
   const float* row_weight;   // L1: [rows] routing weight of each pool row
   float clamp;               // L1: > 0 enables the SwiGLU clamp
   int pow2_scales;           // L1 FP8: round requant scales up to powers of two
+  // Per call (0 in a plan): the weight tiles of experts with a single m-block are loaded with an
+  // L2 evict-first policy (gemm::Sm90TmaProducer::load_b). Set for the smallest decode calls.
+  int weights_evict_first;
 };
 
 }  // namespace epmoe::gemm

@@ -27,6 +27,7 @@ struct Sm90TmaProducer {
   uint8_t* smem;
   Scheduler sched;
   pipeline::PipelineState<kStages> st{};
+  uint64_t evict_first = ptx::l2_policy_evict_first();  // see load_b
 
   // Loads every K block of every tile of this block, in the order the math warpgroups consume
   // them; each load waits (bounded) until the consumers released its stage.
@@ -119,9 +120,17 @@ struct Sm90TmaProducer {
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(stage), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
                          Layout::kScaleA, full);
   }
+  // The evict-first hint (p->weights_evict_first, set per call by the host) for an expert of one
+  // m-block: its weight tile is read by this tile only, once. Why: in a one-token call the default
+  // policy's weight stream pushed the data read again within microseconds (the GEMM outputs, the
+  // L1 -> L2 rows) out of L2; with the hint the layer took 6 (pipeline) and 12 us (megakernel)
+  // less at R = 1. Why not in every decode call: at 8-128 tokens it cost 2-8 us (docs/GEMM.md note 30).
   __device__ void load_b(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
-    ptx::tma_load_2d(smem + Layout::b_offset(stage), tmap_b, full, kb * kBlockK,
-                     tile.expert * p->n + tile.n_block * kBlockN);
+    const int32_t row = tile.expert * p->n + tile.n_block * kBlockN;
+    if (p->weights_evict_first && sched.expert_m_blocks == 1)
+      ptx::tma_load_2d_hint(smem + Layout::b_offset(stage), tmap_b, full, kb * kBlockK, row, evict_first);
+    else
+      ptx::tma_load_2d(smem + Layout::b_offset(stage), tmap_b, full, kb * kBlockK, row);
   }
 };
 
