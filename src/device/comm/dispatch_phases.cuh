@@ -171,9 +171,9 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
   diag::trace(diag::kDispLayout);
 
   const layout::ExpertPoolLayout& pl = p.pool_layout;
-  // Why the last warp: the hook's weight prefetch (the fused kernel) then does not delay warp 0's
-  // pull unit (unit 0 of a small call). (The arrival's sys fence below still waits for the
-  // prefetched bytes, whichever warp issued them: per-block trace, docs/PERFORMANCE.md.)
+  // Why the last warp: the hook's weight prefetch (the fused kernel, off by default) then does not
+  // delay warp 0's pull unit (unit 0 of a small call). (Its bytes still delay the pull's loads:
+  // per-block trace, docs/MEGAKERNEL.md, twelfth session.)
   if (threadIdx.x == (kWarps - 1) * 32) after_layout([&](int e) { return seg[e + 1] - seg[e]; });
 
   // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the

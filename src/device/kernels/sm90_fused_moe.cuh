@@ -1,7 +1,9 @@
 // The fused MoE megakernel (v1): one persistent cooperative launch per layer call.
 //
-//   dispatch (comm/dispatch_phases.cuh) -> grid barrier -> L1 + SwiGLU tiles and L2 tiles as one
-//   tile sequence per block, ordered by per-m-block readiness counters -> grid barrier -> combine
+//   dispatch (comm/dispatch_phases.cuh, megakernel mode) -> per block, as soon as its own pull is
+//   done: L1 + SwiGLU tiles and L2 tiles as one tile sequence, each L1 tile once its rows arrived
+//   (per-m-block arrival counters), each L2 tile once its m-block's L1 tiles are stored (per-m-block
+//   readiness counters) -> grid barrier -> dispatch's phase 4 (block 0) and combine
 //   (comm/combine_phases.cuh)
 //
 // Every stage is the standalone kernels' own device code, so y is bitwise the pipeline's.
@@ -12,25 +14,32 @@
 // One smem ring and one set of mbarriers serve L1 and L2: the L2 tiles continue from the
 // pipeline states where L1 stopped, so no barrier is re-initialised mid-phase.
 // The dispatch's scratch ((R + 1) * E_loc + 1 ints, <= 37 KB) lives in the ring's A tiles,
-// which TMA first writes after the dispatch -> L1 barrier.
+// which TMA first writes after the block's own dispatch (and a __syncthreads).
 //
 // Memory ordering between stages (all inside one kernel, so no kernel boundary helps):
-// - dispatch writes x_pool / x_scale with generic stores and L1 reads them through TMA (async
-//   proxy): the writers issue fence.proxy.async.global before the grid barrier (a gpu/sys-scope
-//   release/acquire), and the producer thread issues it again after the barrier.
+// - dispatch's pullers write x_pool / x_scale / row_weight with generic stores and L1 reads the
+//   rows through TMA (async proxy): every lane of a pull unit issues fence.proxy.async.global, the
+//   warp meets at __syncwarp, each slot lane adds 1 to arrive[its row's m-block] with
+//   red.release.gpu; the L1 producer acquires arrive[m] >= valid rows x pull slices (ld.acquire.gpu,
+//   bounded wait), issues fence.proxy.async.global, then its TMA loads. The L1 epilogue reads
+//   row_weight with ld.global.cg; it is ordered after the pullers' release through the producer's
+//   acquire, its mbarrier arrive (release, CTA scope) and the math thread's mbarrier wait (acquire).
+// - the pool's expert counts / offsets (and recv_tokens) are written by the last block right after
+//   the segment layout; its thread 0 releases the layout epoch word (st.release.gpu) after a
+//   __syncthreads. Each block's thread 0 acquires it (bounded wait) and then meets its block at a
+//   __syncthreads before any role reads the counts, which the schedulers do with ld.global.ca
+//   (ptx::ld_ca_s32: the acquire orders them after the writes and drops the SM's stale L1 lines).
 // - the L1 epilogue writes a_pool / a_scale that L2 reads through TMA on any SM: every writing
 //   thread issues fence.proxy.async.global, the math warpgroup meets at a named barrier, one
 //   thread adds to ready[m-block] with red.release.gpu; the L2 producer acquires the count
 //   (ld.acquire.gpu, bounded wait), issues fence.proxy.async.global, then its TMA loads.
 // - the smem scratch of dispatch is read with generic loads, then overwritten by TMA:
-//   fence.proxy.async.shared::cta before the barrier.
-// - L2's generic o_pool stores -> combine's generic loads: the grid barrier alone.
-// - expert_count / expert_offset / row_weight are written by dispatch and read by the GEMM after
-//   the grid barrier, never through the non-coherent path: row_weight with ld.global.cg (L2), the
-//   schedulers' counts and offsets with ld.global.ca (ptx::ld_ca_s32: the barrier's gpu-scope
-//   acquire orders them after the writes and drops the SM's stale L1 lines).
-// - ready[] restarts from 0 every call: after the last grid barrier (no L2 load is pending) the
-//   blocks zero the counters of the m-blocks this call used.
+//   fence.proxy.async.shared::cta, then __syncthreads.
+// - L2's generic o_pool stores -> combine's generic loads: the grid barrier alone. The same
+//   barrier orders every block's pull (its reads of the sources' staging) before block 0 tells the
+//   sources that their staging is free (dispatch_finish: st.release.sys).
+// - arrive[] and ready[] restart from 0 every call: after the grid barrier (no GEMM load is
+//   pending) the blocks zero the counters of the m-blocks this call used.
 //
 // Why no printf anywhere: a call in a kernel that issues wgmma serializes all wgmma (C7510),
 // hence EPMOE_COMM_WAIT_NO_PRINTF (timeouts are recorded in mapped host memory, then trap).
