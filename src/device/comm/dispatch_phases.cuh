@@ -62,19 +62,25 @@ __device__ __forceinline__ void write_pool_counts(const DispatchParams& p, const
 }
 
 // Phase 4, by every thread of one block once every block has pulled: tell every source we are done
-// reading its staging, reset the cursors, advance the epoch. `epoch` is this call's; the megakernel
-// passes 0 and it is read again here (the word advances only below), so that no register holds it
-// through the GEMM phase.
+// reading its staging, reset the cursors, advance the epoch (this call's, `epoch`).
 __device__ __forceinline__ void dispatch_finish(const DispatchParams& p, uint64_t epoch) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
-  if (epoch == 0) epoch = ld_ca_u64(reinterpret_cast<const uint64_t*>(p.local_ws + loc.dispatch_epoch_offset())) + 1;
   if (threadIdx.x < s.num_ranks)
     st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)), epoch);
   int32_t* cursor = reinterpret_cast<int32_t*>(p.local_ws + loc.cursor_offset());
   for (int e = threadIdx.x; e < s.num_experts; e += blockDim.x) cursor[e] = 0;
   if (threadIdx.x == 0) st_relaxed_gpu(reinterpret_cast<uint64_t*>(p.local_ws + loc.dispatch_epoch_offset()), epoch);
+}
+
+// The megakernel's form: the epoch is read again here (nothing writes the word between the call's
+// start and dispatch_finish), so that no register holds it through the GEMM phase.
+__device__ __forceinline__ void dispatch_finish_reread(const DispatchParams& p) {
+  const uint64_t epoch =
+      ld_ca_u64(reinterpret_cast<const uint64_t*>(p.local_ws + CommLocalLayout{p.shape}.dispatch_epoch_offset())) + 1;
+  __syncthreads();  // every thread has read the word before thread 0 advances it
+  dispatch_finish(p, epoch);
 }
 
 // Returns this call's dispatch epoch.
@@ -227,7 +233,7 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
 
 }  // namespace dispatch_detail
 
-using dispatch_detail::dispatch_finish;
+using dispatch_detail::dispatch_finish_reread;
 using dispatch_detail::dispatch_phases;
 
 }  // namespace epmoe::comm

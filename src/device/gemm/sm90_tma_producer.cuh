@@ -37,8 +37,11 @@ struct Sm90TmaProducer {
   // fused L1 the dispatch's arrival counters (target 0, per_row: the pull slices of one row).
   // b_first (with `ready`): when a tile's rows are not ready at the first look, its weights go
   // first: B of its first K blocks (up to one per stage) into stages as the consumers release them,
-  // then the wait, then A (and the scales) into the same stages. Each stage's full barrier expects
-  // all of its bytes from the start, so the consumers see it complete only once A has landed too.
+  // announced on each stage's full barrier without arriving; then the wait; then the stage's one
+  // arrival with the rest of its bytes, and A (and the scales). Why the arrival after the wait:
+  // the math threads' wait on that barrier is then ordered after this thread's acquire of the
+  // rows, and so after what the writers released with them (the fused L1 epilogue reads the
+  // pullers' row weights with plain loads).
   // Why: the weight stream (a decode call's critical path) then starts while the rows arrive.
   __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
                       bool b_first = false) {
@@ -57,7 +60,11 @@ struct Sm90TmaProducer {
           for (; kb < ahead; ++kb) issue_b(tile, kb);
           wait_or_report(w, need);
           pipeline::PipelineState<kStages> s = first;
-          for (int j = 0; j < ahead; ++j, ++s) issue_a(tile, j, pipe.producer_barrier(s), s.index);
+          for (int j = 0; j < ahead; ++j, ++s) {
+            uint64_t* full = pipe.producer_barrier(s);
+            ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes - Layout::kTileB);
+            issue_a(tile, j, full, s.index);
+          }
         } else {
           wait_or_report(w, need);
         }
@@ -102,9 +109,15 @@ struct Sm90TmaProducer {
                          Layout::kScaleA, full);
     ++st;
   }
-  // The same in two halves (b_first): B into the next stage now, A into it later.
+  // The same in two halves (b_first): B into the next stage now (its bytes announced, no arrival),
+  // the arrival and A later.
   __device__ void issue_b(const scheduler::GemmTile& tile, int kb) {
-    load_b(tile, kb, take_stage(), st.index);
+    static_assert(Layout::kTxBytes > Layout::kTileB, "a stage holds more than its B tile");
+    if (!pipe.producer_acquire(st))
+      pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
+    uint64_t* full = pipe.producer_barrier(st);
+    ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTileB);
+    load_b(tile, kb, full, st.index);
     ++st;
   }
   __device__ uint64_t* take_stage() {

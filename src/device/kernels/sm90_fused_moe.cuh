@@ -37,7 +37,7 @@
 //   fence.proxy.async.shared::cta, then __syncthreads.
 // - L2's generic o_pool stores -> combine's generic loads: the grid barrier alone. The same
 //   barrier orders every block's pull (its reads of the sources' staging) before block 0 tells the
-//   sources that their staging is free (dispatch_finish: st.release.sys).
+//   sources that their staging is free (dispatch_finish_reread: st.release.sys).
 // - arrive[] and ready[] restart from 0 every call: after the grid barrier (no GEMM load is
 //   pending) the blocks zero the counters of the m-blocks this call used.
 //
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   diag::trace(diag::kFusedBarrier2);
 
   // Every block has pulled: the sources' staging is free (dispatch's phase 4).
-  if (blockIdx.x == 0) comm::dispatch_finish(p.dispatch, 0);
+  if (blockIdx.x == 0) comm::dispatch_finish_reread(p.dispatch);
 
   // Every L2 tile has been loaded: reset the arrival and ready counters this call used (the pool's
   // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.

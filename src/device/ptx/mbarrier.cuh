@@ -24,6 +24,12 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx_release_cta(uint64_t* 
                ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 
+// Announces `bytes` of async-proxy transactions on `bar` without arriving (the phase still waits
+// for its arrivals).
+__device__ __forceinline__ void mbarrier_expect_tx_relaxed_cta(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
 // Consumer-side operations on a 32-bit shared-window address (smem_u32 of the barrier). Why: a hot
 // loop that holds generic pointers converts them on every use (S2R of the shared window base); the
 // GEMM's consumer loop keeps the barrier addresses as 32-bit values instead.
