@@ -41,8 +41,8 @@ struct Sm90TmaProducer {
   // arrival with the rest of its bytes, and A (and the scales). Why the arrival after the wait:
   // the math threads' wait on that barrier is then ordered after this thread's acquire of the
   // rows, and so after what the writers released with them (the fused L1 epilogue reads the
-  // pullers' row weights with plain loads).
-  // Why: the weight stream (a decode call's critical path) then starts while the rows arrive.
+  // pullers' row weights with plain loads). Why B-first at all: the weight stream (a decode call's
+  // critical path) then starts while the rows arrive.
   __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
                       bool b_first = false) {
     ptx::prefetch_tensormap(tmap_a);
@@ -100,6 +100,7 @@ struct Sm90TmaProducer {
   }
 
   // Loads K block kb of the tile into the next stage, once the consumers have released it.
+  // Why not issue_a then load_b: that order (A, scales, B) changed the standalone kernels' SASS.
   __device__ void issue(const scheduler::GemmTile& tile, int kb) {
     uint64_t* full = take_stage();
     ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
