@@ -127,33 +127,31 @@ __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done)
 }
 #endif
 
-// Waits until *p >= expected with system-scope acquire (the writer is on another GPU).
+// Waits until *p >= expected with an acquire at system scope (kSys: the writer is on another
+// GPU) or gpu scope (the writer is on this GPU).
 // Why relaxed polling: an acquire on every iteration orders (and stalls) the waiting SM's other
 // memory traffic; polling relaxed and acquiring once when the value has arrived does not. Flags
 // only grow, so the final acquire load still sees >= expected.
+template <bool kSys>
+__device__ __forceinline__ uint64_t wait_geq_acquire(const WaitSite& site, const uint64_t* p, uint64_t expected,
+                                                     const char* flag, int index) {
+  const auto acquire = [p] { return kSys ? ld_acquire_sys(p) : ld_acquire_gpu_u64(p); };
+  uint64_t seen = acquire();
+  if (seen >= expected) return seen;
+  const uint64_t start = globaltimer_ns();
+  while ((seen = kSys ? ld_relaxed_sys(p) : ld_relaxed_gpu(p)) < expected) {
+    const uint64_t waited = globaltimer_ns() - start;
+    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
+  }
+  return acquire();
+}
 __device__ __forceinline__ uint64_t wait_geq_acquire_sys(const WaitSite& site, const uint64_t* p, uint64_t expected,
                                                          const char* flag, int index) {
-  uint64_t seen = ld_acquire_sys(p);
-  if (seen >= expected) return seen;
-  const uint64_t start = globaltimer_ns();
-  while ((seen = ld_relaxed_sys(p)) < expected) {
-    const uint64_t waited = globaltimer_ns() - start;
-    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
-  }
-  return ld_acquire_sys(p);
+  return wait_geq_acquire<true>(site, p, expected, flag, index);
 }
-
-// The same for a writer on this GPU (gpu-scope acquire).
 __device__ __forceinline__ uint64_t wait_geq_acquire_gpu(const WaitSite& site, const uint64_t* p, uint64_t expected,
                                                          const char* flag, int index) {
-  uint64_t seen = ld_acquire_gpu_u64(p);
-  if (seen >= expected) return seen;
-  const uint64_t start = globaltimer_ns();
-  while ((seen = ld_relaxed_gpu(p)) < expected) {
-    const uint64_t waited = globaltimer_ns() - start;
-    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
-  }
-  return ld_acquire_gpu_u64(p);
+  return wait_geq_acquire<false>(site, p, expected, flag, index);
 }
 
 }  // namespace epmoe::comm

@@ -216,6 +216,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // are known, each block asks L2 for the first K blocks of its first L1 weight tile, so HBM
   // streams weights while the pull moves tokens (decode is weight-bound; the pull is not).
   const auto prefetch_first_weights = [&](const auto& segment_rows) {
+    if (p.prefetch_k_blocks <= 0) return;  // the default (docs/MEGAKERNEL.md): no walk for nothing
     using Sched = typename Cfg::L1::Scheduler;
     const int n_tiles = (p.l1.n + gemm::kBlockN - 1) / gemm::kBlockN;
     int local = int(blockIdx.x);
