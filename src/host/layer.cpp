@@ -15,6 +15,7 @@
 #include "epmoe/dispatch.h"
 #include "host/check.h"
 #include "device/kernels/sm90_fused_launch.h"
+#include "device/layout/comm_layout.h"
 #include "host/dispatch_internal.h"
 #include "host/gemm.h"
 #include "host/layer_impl.h"
@@ -99,6 +100,11 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (const char* env = std::getenv("EPMOE_FUSED_B_FIRST")) {
       const int v = std::atoi(env);
       if (v == 0 || v == 1) fused_b_first_ = v;
+    }
+    // ... and for the tiles claimed from a grid-wide counter (0 or 1).
+    if (const char* env = std::getenv("EPMOE_FUSED_CLAIM")) {
+      const int v = std::atoi(env);
+      if (v == 0 || v == 1) fused_claim_ = v;
     }
     return agree_across_ranks(planned);
   }
@@ -188,6 +194,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.phase_ts = nullptr;
       fp.prefetch_k_blocks = fused_prefetch_;
       fp.b_first = fused_b_first(num_tokens) ? 1 : 0;
+      fp.claim_tiles = fused_claim(num_tokens) ? 1 : 0;
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
         const Status z = detail::cuda_status(
@@ -315,6 +322,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // pull waits on NVLink.
   int fused_prefetch_ = 0;
   int fused_b_first_ = -1;  // -1: per call (fused_b_first), 0: off, 1: on
+  int fused_claim_ = -1;    // -1: per call (fused_claim), 0: off, 1: on
 
   // The smallest decode calls: an expert holds at most one row on average (num_tokens x topk <=
   // experts_per_rank, with every rank at num_tokens), so the pull is a few units, the weight
@@ -328,6 +336,16 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   bool fused_b_first(int num_tokens) const {
     if (fused_b_first_ >= 0) return fused_b_first_ == 1;
     return tiny_call(num_tokens);
+  }
+  // Whether the megakernel's blocks claim their GEMM tiles from a grid-wide counter (the dynamic
+  // order) rather than take them in the static order. Measured at R = 1 (docs/MEGAKERNEL.md,
+  // thirteenth session, three rounds): claims took 90 us off 4096 tokens, 70 off 8192, 35 off
+  // 1024 and 17 off 8; in tiny calls they were 3-5 us slower at 1-2 tokens (132 blocks then
+  // reach the counter at once for about one tile each) and 3 us faster at 4, so they stay off
+  // there, where the decode calls of 1-2 tokens are.
+  bool fused_claim(int num_tokens) const {
+    if (fused_claim_ >= 0) return fused_claim_ == 1;
+    return !tiny_call(num_tokens);
   }
 
   // The megakernel's variant for a call of num_tokens local tokens: the throughput variant (TMA
@@ -373,6 +391,12 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // The megakernel's attributes and co-resident grid, on the current (the layer's) device.
   Status configure_fused() {
     if (!kFusedPathEnabled) return Status::Ok();
+    // The megakernel's arrival and readiness counters (one per 128 pool rows) hold one expert's
+    // rows only if every expert segment starts on such a block (a review at R >= 2 found this
+    // assumed and unchecked).
+    if (gemm::row_align(cfg_.dtype) % layout::CommLocalLayout::kReadyBlockRows != 0)
+      return Status(StatusCode::kUnsupported, "forward: path=fused needs the pool's rows aligned to " +
+                                                  std::to_string(layout::CommLocalLayout::kReadyBlockRows));
     const cudaError_t e = cfg_.dtype == DType::kFP8 ? fused::configure_sm90_fused_moe_fp8(comm_.device(), &fused_grid_)
                                                     : fused::configure_sm90_fused_moe_bf16(comm_.device(), &fused_grid_);
     if (e != cudaSuccess)

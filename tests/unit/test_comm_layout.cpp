@@ -83,8 +83,10 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                            {l.token_rows_offset(), l.token_rows_bytes()},
                            {l.recv_tokens_offset(), l.recv_tokens_bytes()},
                            {l.mblock_ready_offset(), l.mblock_ready_bytes()},
-                           {l.mblock_arrive_offset(), l.mblock_ready_bytes()}},
+                           {l.mblock_arrive_offset(), l.mblock_ready_bytes()},
+                           {l.tile_claim_offset(), l.tile_claim_bytes()}},
                           l.num_bytes());
+  EXPECT_EQ(l.tile_claim_bytes(), 8);  // the L1 and L2 counters
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
   EXPECT_EQ(l.token_rows_bytes(), int64_t(4) * 1000 * 8 * 4);
   // Control words do not overlap each other, and each kernel's last-block counters are distinct.

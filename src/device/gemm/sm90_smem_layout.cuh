@@ -19,6 +19,9 @@ __device__ __forceinline__ uint32_t dyn_smem_base_s() {
   return (static_cast<uint32_t>(__cvta_generic_to_shared(epmoe_dynamic_smem)) + 1023u) & ~1023u;
 }
 
+// A claim slot's value once the grid-wide tile counter has run past the last tile.
+inline constexpr uint32_t kNoMoreTiles = ~0u;
+
 template <bool kFp8, int kStages>
 struct Sm90SmemLayout {
   static constexpr uint32_t kRowBytes = 128;  // one swizzle span of K per row
@@ -39,12 +42,17 @@ struct Sm90SmemLayout {
   // The staged tile's description for the storer (4 ints: row0, rows_valid or -1 when the
   // math warpgroups have no more tiles, n_block, the kept stage), under the same two barriers.
   static constexpr uint32_t kTileInfoOffset = kDrainedBarOffset + 8;
+  // The fused kernel's claimed tiles (kStages u32): the producer writes a tile's linear index, or
+  // kNoMoreTiles, into the slot of the stage that carries the tile's first K block, before that
+  // stage's arrival; the math warpgroups read it after their wait (Sm90TmaProducer::run).
+  static constexpr uint32_t kClaimOffset = kTileInfoOffset + 16;
+  static constexpr uint32_t claim_slot(uint32_t stage) { return kClaimOffset + stage * 4u; }
   // The plain epilogue's staging tiles, one per math warpgroup: 64 rows x 64 bf16 columns (one
   // quarter of the warpgroup's 64 x 256 block at a time), 16-byte chunks XOR-swizzled by row % 8.
   static constexpr uint32_t kEpiRowBytes = 128;
   static constexpr uint32_t kEpiTileBytes = 64 * kEpiRowBytes;
   // 1024-byte aligned: the deferred epilogue's TMA stores read 128-byte swizzled boxes from here.
-  static constexpr uint32_t kEpiOffset = (kTileInfoOffset + 16 + 1023) / 1024 * 1024;
+  static constexpr uint32_t kEpiOffset = (kClaimOffset + kStages * 4 + 1023) / 1024 * 1024;
   static constexpr uint32_t epi_offset(uint32_t math_wg) { return kEpiOffset + math_wg * kEpiTileBytes; }
   // The deferred L2 epilogue stages a whole 128 x 256 bf16 tile (64 KB) as eight 8 KB slabs
   // (slab j = math warpgroup j / 4, 64-column quarter j % 4; rows and chunks as in the staging

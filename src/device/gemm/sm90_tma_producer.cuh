@@ -28,6 +28,12 @@ struct Sm90TmaProducer {
   Scheduler sched;
   pipeline::PipelineState<kStages> st{};
   uint64_t evict_first = ptx::l2_policy_evict_first();  // see load_b
+  // Claimed tiles (run): the counter, the last index taken, the K block at which the next is taken
+  // (-1: none); and a published tile's index until its first stage carries it.
+  uint32_t* claim_ctr = nullptr;
+  int claimed = 0;
+  int claim_kb = -1;
+  uint32_t publish = kNoMoreTiles;
 
   // Loads every K block of every tile of this block, in the order the math warpgroups consume
   // them; each load waits (bounded) until the consumers released its stage.
@@ -43,13 +49,34 @@ struct Sm90TmaProducer {
   // rows, and so after what the writers released with them (the fused L1 epilogue reads the
   // pullers' row weights with plain loads). Why B-first at all: the weight stream (a decode call's
   // critical path) then starts while the rows arrive.
+  // `publish_tiles` (the fused kernel): the tile sequence is this thread's to choose, and the math
+  // warpgroups learn it from the claim slots: each tile's linear index goes into the slot of the
+  // stage that carries its first K block (written after the stage was acquired, published by the
+  // stage's arrival), and after the last tile one more stage carries kNoMoreTiles and no bytes
+  // (sm90_math_tiles<..., kClaimed>). The sequence is the static order (block b: tiles b,
+  // b + grid, ...) unless `claim` is given: then the block takes its next linear tile from that
+  // grid-wide counter, `first_claim` being its first (taken earlier by the caller) or -1 (take it
+  // here). The next claim is taken while the current tile's K block num_k_blocks - kStages is
+  // issued, when the ring holds about one ring of work for the math warpgroups: late enough that a
+  // block does not commit to a tile long before it can start it, early enough that the atomic's
+  // latency hides behind the ring. Why claims: a block that left the dispatch late, or would have
+  // had one tile more in the static order, no longer ends the GEMMs late (docs/MEGAKERNEL.md,
+  // thirteenth session).
   __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
-                      bool b_first = false) {
+                      bool b_first = false, bool publish_tiles = false, uint32_t* claim = nullptr,
+                      int first_claim = -1) {
     ptx::prefetch_tensormap(tmap_a);
     ptx::prefetch_tensormap(tmap_b);
     const int num_k_blocks = p->k / kBlockK;
     scheduler::GemmTile tile;
-    while (sched.next(tile)) {
+    claim_ctr = claim;
+    if (claim) claimed = first_claim >= 0 ? first_claim : int(atomicAdd(claim, 1u));
+    while (claim ? sched.seek(claimed, tile) : sched.next(tile)) {
+      if (publish_tiles) {
+        publish = uint32_t(sched.next_linear);
+        prefetch_weight_scales(tile, num_k_blocks);
+      }
+      if (claim) claim_kb = max(0, num_k_blocks - kStages);
       int kb = 0;
       if (ready) {
         const uint32_t* w = ready + tile.row0 / Scheduler::kTileM;
@@ -70,6 +97,14 @@ struct Sm90TmaProducer {
         }
       }
       for (; kb < num_k_blocks; ++kb) issue(tile, kb);
+    }
+    if (publish_tiles) {
+      // The end mark: a stage with no bytes whose slot says so; the math warpgroups release it.
+      if (!pipe.producer_acquire(st))
+        pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
+      ptx::st_shared_u32(smem_s() + Layout::claim_slot(st.index), kNoMoreTiles);
+      ptx::mbarrier_arrive_release_cta_s(ptx::smem_u32(pipe.producer_barrier(st)));
+      ++st;
     }
   }
 
@@ -102,6 +137,7 @@ struct Sm90TmaProducer {
   // Loads K block kb of the tile into the next stage, once the consumers have released it.
   // Why not issue_a then load_b: that order (A, scales, B) changed the standalone kernels' SASS.
   __device__ void issue(const scheduler::GemmTile& tile, int kb) {
+    claim_next(kb);
     uint64_t* full = take_stage();
     ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
     load_b(tile, kb, full, st.index);
@@ -114,8 +150,10 @@ struct Sm90TmaProducer {
   // the arrival and A later.
   __device__ void issue_b(const scheduler::GemmTile& tile, int kb) {
     static_assert(Layout::kTxBytes > Layout::kTileB, "a stage holds more than its B tile");
+    claim_next(kb);
     if (!pipe.producer_acquire(st))
       pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
+    publish_claim();
     uint64_t* full = pipe.producer_barrier(st);
     ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTileB);
     load_b(tile, kb, full, st.index);
@@ -124,10 +162,39 @@ struct Sm90TmaProducer {
   __device__ uint64_t* take_stage() {
     if (!pipe.producer_acquire(st))
       pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
+    publish_claim();
     uint64_t* full = pipe.producer_barrier(st);
     ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes);
     return full;
   }
+  // Published tiles: the math warpgroups learn the tile only once its first stage has landed, and
+  // then load its first weight scales (Sm90Fp8Mainloop). Why ask this SM's L1 for them now: that
+  // load's latency was exposed once per tile (measured at R = 1: publishing cost ~2-3 us in a
+  // one-token call, docs/MEGAKERNEL.md).
+  __device__ void prefetch_weight_scales(const scheduler::GemmTile& tile, int num_k_blocks) {
+    if constexpr (kFp8) {
+      const int n_blocks128 = p->n / kScaleBlock;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int nb = tile.n_block * (kBlockN / kScaleBlock) + h;
+        if (nb < n_blocks128) ptx::prefetch_l1(p->b_scale + (tile.expert * n_blocks128 + nb) * num_k_blocks);
+      }
+    }
+  }
+  // The block's next tile, once per tile at K block claim_kb (see run). Exactly one of issue and
+  // issue_b sees each K block.
+  __device__ void claim_next(int kb) {
+    if (kb == claim_kb) claimed = int(atomicAdd(claim_ctr, 1u));
+  }
+  // A published tile's index into the slot of the stage just acquired (its first K block). The
+  // stage's arrival, release at CTA scope, publishes it (in B-first, the arrival after the wait).
+  __device__ void publish_claim() {
+    if (publish != kNoMoreTiles) {
+      ptx::st_shared_u32(smem_s() + Layout::claim_slot(st.index), publish);
+      publish = kNoMoreTiles;
+    }
+  }
+  __device__ static uint32_t smem_s() { return dyn_smem_base_s(); }
   __device__ void issue_a(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
     ptx::tma_load_2d(smem + Layout::a_offset(stage), tmap_a, full, kb * kBlockK, tile.row0);
     if constexpr (kFp8)

@@ -25,9 +25,12 @@ struct FusedMoeParams {
   // prefetch_k_blocks: K blocks of its first L1 weight tile that each block asks L2 for once the
   //   expert segments are known (0: none);
   // b_first: a GEMM producer whose tile's rows are not ready yet loads the tile's weights first
-  //   (gemm::Sm90TmaProducer::run).
+  //   (gemm::Sm90TmaProducer::run);
+  // claim_tiles: each block claims its GEMM tiles from a grid-wide counter instead of taking them
+  //   in the static order (gemm::Sm90TmaProducer::run).
   int prefetch_k_blocks;
   int b_first;
+  int claim_tiles;
 };
 
 // Phase stamps of one fused call (see FusedMoeParams::phase_ts).

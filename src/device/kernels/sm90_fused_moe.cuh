@@ -39,7 +39,8 @@
 //   barrier orders every block's pull (its reads of the sources' staging) before block 0 tells the
 //   sources that their staging is free (dispatch_finish_reread: st.release.sys).
 // - arrive[] and ready[] restart from 0 every call: after the grid barrier (no GEMM load is
-//   pending) the blocks zero the counters of the m-blocks this call used.
+//   pending) the blocks zero the counters of the m-blocks this call used; block 0 zeroes the two
+//   tile claim counters (every claim returned before its block reached the barrier).
 //
 // Why no printf anywhere: a call in a kernel that issues wgmma serializes all wgmma (C7510),
 // hence EPMOE_COMM_WAIT_NO_PRINTF (timeouts are recorded in mapped host memory, then trap).
@@ -112,11 +113,19 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // starts an L2 tile once every L1 tile of its pool m-block is stored (ready[m] counts the math
 // warpgroups' releases, kMathWarpgroups per L1 tile), so the L1 tail of some blocks overlaps the
 // first L2 tiles of others. Each role sets its register budget once for both GEMMs.
-// Deadlock-free: a block's L1 tiles never wait on anything but its own smem ring, every block is
-// resident (cooperative launch), and a producer only waits on L1 tiles, which all precede every
-// L2 tile in every block's sequence. A math warpgroup defers each L1 tile's release until its
-// next L1 mainloop has run (whose loads the producer issued before any wait on a counter) and
-// flushes the last one when its L1 loop ends, so every release still happens.
+// Which tiles a block runs: the producer thread chooses and publishes each one to the math
+// warpgroups through the stage that carries its first K block, then an end mark per GEMM
+// (gemm::Sm90TmaProducer::run). With `claim` (FusedMoeParams::claim_tiles, every call but the
+// tiny ones) it takes the next linear tile of each GEMM from a grid-wide counter (claim[0] L1,
+// claim[1] L2), so blocks that left the dispatch late, or that a static order would give one tile
+// more, take fewer tiles; without it, the static order (block b: b, b + grid, ...).
+// Deadlock-free: an L1 tile waits only for rows that every block pulls before its first tile, and
+// on its own smem ring; every block is resident (cooperative launch); a producer only waits on
+// L1 tiles, and a block runs every L1 tile it took (claimed or static) before any L2 tile, so each
+// L1 tile an L2 tile waits on is taken and will complete. A math warpgroup defers each L1 tile's
+// release until its next L1 mainloop has run (whose loads the producer issued before any wait on
+// a counter) and flushes the last one when its L1 loop ends (at the end mark, which the producer
+// publishes before its first L2 wait), so every release still happens.
 // The throughput variant's storer (thread 32, producer warpgroup) takes the block's deferred L1
 // tiles, then its deferred L2 tiles, in the order the math warpgroups stage them; it adds the
 // L1 tiles' readiness counts itself once their TMA stores completed.
@@ -127,7 +136,8 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
-                                                 bool b_first, unsigned long long* phase_ts) {
+                                                 uint32_t* claim, int first_claim, bool b_first,
+                                                 unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   typename L1::Mainloop::State st{};
   if (threadIdx.x / 128 == gemm::kProducerWarpgroup) {
@@ -135,9 +145,11 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
     if (threadIdx.x == 0) {
       // An L1 tile's rows are loaded once the dispatch's pullers wrote all of them (arrive[m-block]
       // = valid rows x pull slices); the producer fences the proxies after each acquire.
-      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first);
+      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first, true, claim,
+                                    first_claim);
       diag::trace(diag::kFusedProdL1);
-      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first);
+      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first, true,
+                                    claim ? claim + 1 : nullptr);
       diag::trace(diag::kFusedProdL2);
     }
     if constexpr (L2::kHasStorer) {
@@ -160,10 +172,10 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
-  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready);
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, true>(p1, pipe, st, wg, ready);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
-  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged);
+  if (r.ok) r = gemm::sm90_math_tiles<L2, true, true>(p2, pipe, st, wg, nullptr, r.tiles_staged);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
@@ -208,6 +220,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   uint32_t* barrier_word = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.grid_barrier_offset());
   uint32_t* ready = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_ready_offset());
   uint32_t* arrive = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_arrive_offset());
+  uint32_t* claim = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.tile_claim_offset());
   const comm::WaitSite site{p.dispatch.rank, p.dispatch.timeout_ns, status, p.dispatch.timeout_record};
 
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseStart, true);
@@ -243,6 +256,11 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // arrived (the L1 producer waits on arrive[]). The smem scratch of dispatch was read with generic
   // loads and is overwritten by TMA next.
   ptx::fence_proxy_async_shared_cta();
+  // The block's first L1 tile is claimed here, by the producer thread, so the atomic's latency
+  // overlaps the epoch wait (fused_gemm_tiles; the claim order is still the order in which blocks
+  // finished their pull).
+  int first_claim = -1;
+  if (p.claim_tiles && threadIdx.x == 0) first_claim = int(atomicAdd(claim, 1u));
   if (threadIdx.x == 0)
     comm::wait_geq_acquire_gpu(site, reinterpret_cast<const uint64_t*>(p.dispatch.local_ws + loc.layout_epoch_offset()),
                                dispatch_epoch, "layout_epoch", int(blockIdx.x));
@@ -253,7 +271,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
-      uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.b_first != 0, p.phase_ts);
+      uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, first_claim, p.b_first != 0,
+      p.phase_ts);
   diag::trace(diag::kFusedGemm);
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
@@ -275,6 +294,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       ready[i] = 0;
       arrive[i] = 0;
     }
+    // Every claim (one per tile and one past the end per block) returned before the barrier.
+    if (blockIdx.x == 0 && threadIdx.x < 2) claim[threadIdx.x] = 0;
   }
   diag::trace(diag::kFusedReset);
 

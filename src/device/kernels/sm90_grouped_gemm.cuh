@@ -97,12 +97,14 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
                                                     typename Cfg::Mainloop::State& st,
                                                     const uint32_t* ready = nullptr, uint32_t target = 0,
-                                                    uint32_t per_row = 0, bool b_first = false) {
+                                                    uint32_t per_row = 0, bool b_first = false,
+                                                    bool publish_tiles = false, uint32_t* claim = nullptr,
+                                                    int first_claim = -1) {
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
                                   typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
   producer.st = st;
-  producer.run(ready, target, per_row, b_first);
+  producer.run(ready, target, per_row, b_first, publish_tiles, claim, first_claim);
   st = producer.st;
 }
 
@@ -126,7 +128,12 @@ struct MathTilesResult {
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
 // storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
-template <class Cfg, bool kEndStorer = true>
+// kClaimed: the producer chooses the tile sequence (Sm90TmaProducer::run with publish_tiles; the
+// fused kernel, whose blocks may claim tiles from a grid-wide counter): each tile's index is read
+// from the claim slot of the stage that carries its first K block, after the wait for that stage
+// (which the mainloop's own first wait then finds complete); kNoMoreTiles ends the loop, and that
+// stage is released at once.
+template <class Cfg, bool kEndStorer = true, bool kClaimed = false>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
@@ -149,7 +156,20 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     if (threadIdx.x % 128 == 0) ptx::red_add_release_gpu(done + pending, 1);
     pending = -1;
   };
-  while (sched.next(tile)) {
+  for (;;) {
+    if constexpr (kClaimed) {
+      if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+      const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
+      if (id == kNoMoreTiles) {
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) pipe.consumer_release(st);
+        ++st;
+        break;
+      }
+      sched.seek(int(id), tile);
+    } else {
+      if (!sched.next(tile)) break;
+    }
     const float* b_scale[2] = {nullptr, nullptr};
     if constexpr (Cfg::kFp8) {
       static_assert(Cfg::kBlockK == kScaleBlock, "one weight scale per K block: num_k_blocks is k / 128");

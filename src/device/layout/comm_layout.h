@@ -115,13 +115,17 @@ struct CommLocalLayout {
   // [pool m-blocks] u32: the fused kernel's dispatch -> L1 arrival counter per 128-row block of the
   // pool: +1 per (row, pull slice) written, so an m-block of n valid rows has arrived at n x slices.
   // Same count as ready[], reset with it.
+  // [2] u32: the fused kernel's grid-wide tile counters (L1, L2): each block claims its next tile
+  // there. Zero between calls: the kernel resets them after its last GEMM tile (docs/MEGAKERNEL.md).
+  EPMOE_HD int64_t tile_claim_bytes() const { return 8; }
 
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
   EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
   EPMOE_HD int64_t recv_tokens_offset() const { return next(token_rows_offset(), token_rows_bytes()); }
   EPMOE_HD int64_t mblock_ready_offset() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
   EPMOE_HD int64_t mblock_arrive_offset() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
-  EPMOE_HD int64_t num_bytes() const { return next(mblock_arrive_offset(), mblock_ready_bytes()); }
+  EPMOE_HD int64_t tile_claim_offset() const { return next(mblock_arrive_offset(), mblock_ready_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(tile_claim_offset(), tile_claim_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }

@@ -13,6 +13,17 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// Asks the SM's L1 for the line holding p (no result, no wait).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 // 32-bit store and 16-byte load on shared-window addresses (the epilogue's staging tile). Volatile
 // and ordered through "memory": the named barrier between the writes and the reads is asm too.
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {

@@ -59,8 +59,21 @@ struct GroupedTileScheduler {
     m_block = within / width;
   }
 
+  // Static order: block b takes linear tiles b, b + gridDim.x, ... (the standalone kernels).
   __device__ __forceinline__ bool next(GemmTile& t) {
     next_linear = next_linear < 0 ? int(blockIdx.x) : next_linear + int(gridDim.x);
+    return walk(t);
+  }
+
+  // Linear tile `linear`, which must not be below any index this copy was asked before (the fused
+  // kernel's tiles, claimed from a grid-wide counter; docs/MEGAKERNEL.md). False past the last tile.
+  __device__ __forceinline__ bool seek(int linear, GemmTile& t) {
+    next_linear = linear;
+    return walk(t);
+  }
+
+ private:
+  __device__ __forceinline__ bool walk(GemmTile& t) {
     // Why a walk and not a prefix array: a block's tile index only grows, so the walk is
     // amortised O(1) per tile and needs no extra kernel or workspace.
     while (next_linear >= expert_first + expert_tiles) {
