@@ -393,7 +393,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (!kFusedPathEnabled) return Status::Ok();
     // The megakernel's arrival and readiness counters (one per 128 pool rows) hold one expert's
     // rows only if every expert segment starts on such a block (a review at R >= 2 found this
-    // assumed and unchecked).
+    // assumed and unchecked). A guard for changes to row_align(): today it is 128.
     if (gemm::row_align(cfg_.dtype) % layout::CommLocalLayout::kReadyBlockRows != 0)
       return Status(StatusCode::kUnsupported, "forward: path=fused needs the pool's rows aligned to " +
                                                   std::to_string(layout::CommLocalLayout::kReadyBlockRows));

@@ -33,6 +33,7 @@ struct Sm90Bf16Mainloop {
       // mainloop).
       for (int kb = 0; kb < num_k_blocks; ++kb) {
         if (!pipe.consumer_wait(st)) return false;
+        __syncwarp();  // see the FP8 mainloop's pass_through
         if (lane == 0 && (!keep_last || kb + 1 < num_k_blocks)) pipe.consumer_release(st);
         ++st;
       }

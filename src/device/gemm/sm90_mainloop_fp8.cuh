@@ -78,7 +78,9 @@ struct Sm90Fp8Mainloop {
           smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
       const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
       const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
-      // Why before the wait: the scale loads' latency hides behind the barrier wait.
+      // Why before the wait: the scale loads' latency hides behind the barrier wait (except for a
+      // tile's first K block where the fused kernel learns the tile from its stage: there the
+      // producer has asked L1 for the line, Sm90TmaProducer::prefetch_weight_scales).
       const float sb0 = ptx::ld_nc_f32(sp0 + kb);
       const float sb1 = ptx::ld_nc_f32(sp1 + kb);
       if (!pipe.consumer_wait(bars_s, st)) return false;
@@ -128,6 +130,9 @@ struct Sm90Fp8Mainloop {
   __device__ static bool pass_through(const Pipe& pipe, State& st, int num_k_blocks, int lane, bool keep_last) {
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       if (!pipe.consumer_wait(st)) return false;
+      // Why __syncwarp: lane 0 releases for the whole warp, and in the fused kernel every lane read
+      // the stage's tile slot before (sm90_math_tiles); the producer rewrites it once released.
+      __syncwarp();
       if (lane == 0 && (!keep_last || kb + 1 < num_k_blocks)) pipe.consumer_release(st);
       ++st;
     }

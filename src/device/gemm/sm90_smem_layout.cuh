@@ -19,7 +19,7 @@ __device__ __forceinline__ uint32_t dyn_smem_base_s() {
   return (static_cast<uint32_t>(__cvta_generic_to_shared(epmoe_dynamic_smem)) + 1023u) & ~1023u;
 }
 
-// A claim slot's value once the grid-wide tile counter has run past the last tile.
+// A claim slot's value after a GEMM's last tile (the end mark, in the static and the claimed order).
 inline constexpr uint32_t kNoMoreTiles = ~0u;
 
 template <bool kFp8, int kStages>

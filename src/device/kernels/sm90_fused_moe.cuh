@@ -172,10 +172,14 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
-  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, true>(p1, pipe, st, wg, ready);
+  // Why the throughput variant always reads its tiles from the slots: the runtime choice below
+  // cost it 10-40 us at 1024-4096 tokens (R = 1, same call); its calls are never tiny, so they
+  // claim tiles anyway (EPMOE_FUSED_CLAIM=0 then has it read the static order from the slots).
+  const bool from_slots = L2::kHasStorer || claim != nullptr;
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, true>(p1, pipe, st, wg, ready, 0u, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
-  if (r.ok) r = gemm::sm90_math_tiles<L2, true, true>(p2, pipe, st, wg, nullptr, r.tiles_staged);
+  if (r.ok) r = gemm::sm90_math_tiles<L2, true, true>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
@@ -226,8 +230,9 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseStart, true);
 
   // Dispatch: tokens from every source into this rank's expert pool. Once the expert segments
-  // are known, each block asks L2 for the first K blocks of its first L1 weight tile, so HBM
-  // streams weights while the pull moves tokens (decode is weight-bound; the pull is not).
+  // are known, each block asks L2 for the first K blocks of its first L1 weight tile in the static
+  // order (with claims, the first grid's worth of tiles as a set), so HBM streams weights while
+  // the pull moves tokens (decode is weight-bound; the pull is not). Off by default.
   const auto prefetch_first_weights = [&](const auto& segment_rows) {
     if (p.prefetch_k_blocks <= 0) return;  // the default (docs/MEGAKERNEL.md): no walk for nothing
     using Sched = typename Cfg::L1::Scheduler;
@@ -294,7 +299,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       ready[i] = 0;
       arrive[i] = 0;
     }
-    // Every claim (one per tile and one past the end per block) returned before the barrier.
+    // Every claim (one per tile and one past the end, per block and GEMM) returned before the
+    // barrier.
     if (blockIdx.x == 0 && threadIdx.x < 2) claim[threadIdx.x] = 0;
   }
   diag::trace(diag::kFusedReset);

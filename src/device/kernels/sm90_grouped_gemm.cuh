@@ -87,7 +87,8 @@ struct Sm90GroupedGemmConfig {
 
 // Role loops of the persistent grouped GEMM on an initialised pipeline. `st` is where the ring
 // stands for the calling role; it comes back advanced by the K blocks loaded (producer) or
-// consumed (math), which are equal. Why carried states: the fused kernel runs L1 and then L2 on
+// consumed (math), which are equal, plus one end-mark stage where the producer publishes its
+// tiles (the fused kernel). Why carried states: the fused kernel runs L1 and then L2 on
 // the same ring and barriers, so L2 continues at the phase L1 stopped at.
 
 // Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
@@ -128,16 +129,18 @@ struct MathTilesResult {
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
 // storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
-// kClaimed: the producer chooses the tile sequence (Sm90TmaProducer::run with publish_tiles; the
-// fused kernel, whose blocks may claim tiles from a grid-wide counter): each tile's index is read
-// from the claim slot of the stage that carries its first K block, after the wait for that stage
-// (which the mainloop's own first wait then finds complete); kNoMoreTiles ends the loop, and that
-// stage is released at once.
+// kClaimed: the producer publishes the tile sequence (Sm90TmaProducer::run with publish_tiles; the
+// fused kernel). With claimed_order (its blocks claim tiles from a grid-wide counter) each tile's
+// index is read from the claim slot of the stage that carries its first K block, after the wait
+// for that stage (which the mainloop's own first wait then finds complete); in the static order
+// the tiles are walked here as well. Either way the producer's end mark (kNoMoreTiles) ends the
+// loop, and its stage is released at once.
 template <class Cfg, bool kEndStorer = true, bool kClaimed = false>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
-                                                           uint32_t* done = nullptr, uint32_t first_tile_count = 0) {
+                                                           uint32_t* done = nullptr, uint32_t first_tile_count = 0,
+                                                           bool claimed_order = true) {
   using Mainloop = typename Cfg::Mainloop;
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
@@ -158,15 +161,24 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   };
   for (;;) {
     if constexpr (kClaimed) {
-      if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
-      const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
-      if (id == kNoMoreTiles) {
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) pipe.consumer_release(st);
-        ++st;
-        break;
+      // claimed_order: the tile is known only from its slot. Otherwise the producer follows the
+      // static order too, and this walks it as the standalone kernels do (so the tile's first
+      // weight scales load before its stage lands: read from the slot instead, that load's latency
+      // was exposed once per tile, ~1 us per tile in decode calls at R = 1); only the end mark is
+      // read.
+      bool more = true;
+      if (!claimed_order) more = sched.next(tile);
+      if (claimed_order || !more) {
+        if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+        const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
+        if (id == kNoMoreTiles) {
+          __syncwarp();
+          if (threadIdx.x % 32 == 0) pipe.consumer_release(st);
+          ++st;
+          break;
+        }
+        sched.seek(int(id), tile);
       }
-      sched.seek(int(id), tile);
     } else {
       if (!sched.next(tile)) break;
     }

@@ -116,7 +116,8 @@ struct CommLocalLayout {
   // pool: +1 per (row, pull slice) written, so an m-block of n valid rows has arrived at n x slices.
   // Same count as ready[], reset with it.
   // [2] u32: the fused kernel's grid-wide tile counters (L1, L2): each block claims its next tile
-  // there. Zero between calls: the kernel resets them after its last GEMM tile (docs/MEGAKERNEL.md).
+  // there. Zero between calls: block 0 resets them after the grid barrier that follows the GEMMs
+  // (docs/MEGAKERNEL.md).
   EPMOE_HD int64_t tile_claim_bytes() const { return 8; }
 
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
