@@ -113,12 +113,13 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // starts an L2 tile once every L1 tile of its pool m-block is stored (ready[m] counts the math
 // warpgroups' releases, kMathWarpgroups per L1 tile), so the L1 tail of some blocks overlaps the
 // first L2 tiles of others. Each role sets its register budget once for both GEMMs.
-// Which tiles a block runs: the producer thread chooses and publishes each one to the math
-// warpgroups through the stage that carries its first K block, then an end mark per GEMM
-// (gemm::Sm90TmaProducer::run). With `claim` (FusedMoeParams::claim_tiles, every call but the
-// tiny ones) it takes the next linear tile of each GEMM from a grid-wide counter (claim[0] L1,
-// claim[1] L2), so blocks that left the dispatch late, or that a static order would give one tile
-// more, take fewer tiles; without it, the static order (block b: b, b + grid, ...).
+// Which tiles a block runs: with `claim` (FusedMoeParams::claim_tiles, every call but the tiny
+// ones) the producer thread takes the next linear tile of each GEMM from a grid-wide counter
+// (claim[0] L1, claim[1] L2), so blocks that left the dispatch late, or that a static order would
+// give one tile more, take fewer tiles; without it, the static order (block b: b, b + grid, ...).
+// With claims, and always in the throughput variant (from_slots below), the producer publishes
+// each tile to the math warpgroups through the stage that carries its first K block, then an end
+// mark per GEMM (gemm::Sm90TmaProducer::run).
 // Deadlock-free: an L1 tile waits only for rows that every block pulls before its first tile, and
 // on its own smem ring; every block is resident (cooperative launch); a producer only waits on
 // L1 tiles, and a block runs every L1 tile it took (claimed or static) before any L2 tile, so each
@@ -139,16 +140,22 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  uint32_t* claim, int first_claim, bool b_first,
                                                  unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
+  // Whether the producer publishes the tiles and the math warpgroups read them from the slots: with
+  // claims, and always in the throughput variant. Why always there: a run-time choice cost that
+  // variant 7-43 us at 1024-4096 tokens (R = 1, same call); its calls are never tiny, so they claim
+  // tiles anyway (with EPMOE_FUSED_CLAIM=0 it reads the static order from the slots). Without
+  // claims (tiny calls) the decode variant's roles walk the static order each, with no end marks.
+  const bool from_slots = L2::kHasStorer || claim != nullptr;
   typename L1::Mainloop::State st{};
   if (threadIdx.x / 128 == gemm::kProducerWarpgroup) {
     ptx::setmaxnreg_dec<gemm::kProducerRegs>();
     if (threadIdx.x == 0) {
       // An L1 tile's rows are loaded once the dispatch's pullers wrote all of them (arrive[m-block]
       // = valid rows x pull slices); the producer fences the proxies after each acquire.
-      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first, true, claim,
-                                    first_claim);
+      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first, from_slots,
+                                    claim, first_claim);
       diag::trace(diag::kFusedProdL1);
-      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first, true,
+      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first, from_slots,
                                     claim ? claim + 1 : nullptr);
       diag::trace(diag::kFusedProdL2);
     }
@@ -172,10 +179,6 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
-  // Why the throughput variant always reads its tiles from the slots: the runtime choice below
-  // cost it 10-40 us at 1024-4096 tokens (R = 1, same call); its calls are never tiny, so they
-  // claim tiles anyway (EPMOE_FUSED_CLAIM=0 then has it read the static order from the slots).
-  const bool from_slots = L2::kHasStorer || claim != nullptr;
   gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, true>(p1, pipe, st, wg, ready, 0u, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);

@@ -129,18 +129,18 @@ struct MathTilesResult {
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
 // storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
-// kClaimed: the producer publishes the tile sequence (Sm90TmaProducer::run with publish_tiles; the
-// fused kernel). With claimed_order (its blocks claim tiles from a grid-wide counter) each tile's
-// index is read from the claim slot of the stage that carries its first K block, after the wait
-// for that stage (which the mainloop's own first wait then finds complete); in the static order
-// the tiles are walked here as well. Either way the producer's end mark (kNoMoreTiles) ends the
-// loop, and its stage is released at once.
+// kClaimed (the fused kernel): with from_slots, the producer publishes the tile sequence
+// (Sm90TmaProducer::run with publish_tiles; its blocks may claim tiles from a grid-wide counter)
+// and each tile's index is read from the claim slot of the stage that carries its first K block,
+// after the wait for that stage (which the mainloop's own first wait then finds complete); the
+// producer's end mark (kNoMoreTiles) ends the loop, and its stage is released at once. Without
+// from_slots both roles walk the static order, as in the standalone kernels.
 template <class Cfg, bool kEndStorer = true, bool kClaimed = false>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
                                                            uint32_t* done = nullptr, uint32_t first_tile_count = 0,
-                                                           bool claimed_order = true) {
+                                                           bool from_slots = true) {
   using Mainloop = typename Cfg::Mainloop;
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
@@ -161,14 +161,11 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   };
   for (;;) {
     if constexpr (kClaimed) {
-      // claimed_order: the tile is known only from its slot. Otherwise the producer follows the
-      // static order too, and this walks it as the standalone kernels do (so the tile's first
-      // weight scales load before its stage lands: read from the slot instead, that load's latency
-      // was exposed once per tile, ~1 us per tile in decode calls at R = 1); only the end mark is
-      // read.
-      bool more = true;
-      if (!claimed_order) more = sched.next(tile);
-      if (claimed_order || !more) {
+      // from_slots: the tile is known only from its slot. Otherwise the producer walks the static
+      // order without publishing it, and so does this, as in the standalone kernels (the tile's
+      // first weight scales then load before its stage lands: read from the slot, that load's
+      // latency was exposed once per tile, ~1 us per tile in decode calls at R = 1).
+      if (from_slots) {
         if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
         const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
         if (id == kNoMoreTiles) {
@@ -178,6 +175,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
           break;
         }
         sched.seek(int(id), tile);
+      } else if (!sched.next(tile)) {
+        break;
       }
     } else {
       if (!sched.next(tile)) break;
