@@ -54,23 +54,23 @@ struct Sm90TmaProducer {
   // stage that carries its first K block (written after the stage was acquired, published by the
   // stage's arrival), and after the last tile one more stage carries kNoMoreTiles and no bytes
   // (sm90_math_tiles<..., kClaimed>). The sequence is the static order (block b: tiles b,
-  // b + grid, ...) unless `claim` is given: then the block takes its next linear tile from that
-  // grid-wide counter, `first_claim` being its first (taken earlier by the caller) or -1 (take it
-  // here). The next claim is taken while the current tile's K block num_k_blocks - kStages is
-  // issued, when the ring holds about one ring of work for the math warpgroups: late enough that a
-  // block does not commit to a tile long before it can start it, early enough that the atomic's
-  // latency hides behind the ring. Why claims: a block that left the dispatch late, or would have
-  // had one tile more in the static order, no longer ends the GEMMs late (docs/MEGAKERNEL.md,
+  // b + grid, ...) unless `claim` is given: then block b's first tile is still tile b, and each
+  // later one is grid + the next value of that grid-wide counter. The next claim is taken while the
+  // current tile's K block num_k_blocks - kStages is issued, when the ring holds about one ring of
+  // work for the math warpgroups: late enough that a block does not commit to a tile long before it
+  // can start it, early enough that the atomic's latency hides behind the ring. Why claims: a block
+  // that left the dispatch late, or would have had one tile more in the static order, no longer
+  // ends the GEMMs late. Why the first tile static: when every block claimed its first tile, the
+  // grid's atomics on one word at the same moment cost a one-token call ~4 us (docs/MEGAKERNEL.md,
   // thirteenth session).
   __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
-                      bool b_first = false, bool publish_tiles = false, uint32_t* claim = nullptr,
-                      int first_claim = -1) {
+                      bool b_first = false, bool publish_tiles = false, uint32_t* claim = nullptr) {
     ptx::prefetch_tensormap(tmap_a);
     ptx::prefetch_tensormap(tmap_b);
     const int num_k_blocks = p->k / kBlockK;
     scheduler::GemmTile tile;
     claim_ctr = claim;
-    if (claim) claimed = first_claim >= 0 ? first_claim : int(atomicAdd(claim, 1u));
+    if (claim) claimed = int(blockIdx.x);
     while (claim ? sched.seek(claimed, tile) : sched.next(tile)) {
       if (publish_tiles) {
         publish = uint32_t(sched.next_linear);
@@ -184,7 +184,7 @@ struct Sm90TmaProducer {
   // The block's next tile, once per tile at K block claim_kb (see run). Exactly one of issue and
   // issue_b sees each K block.
   __device__ void claim_next(int kb) {
-    if (kb == claim_kb) claimed = int(atomicAdd(claim_ctr, 1u));
+    if (kb == claim_kb) claimed = int(gridDim.x) + int(atomicAdd(claim_ctr, 1u));
   }
   // A published tile's index into the slot of the stage just acquired (its first K block). The
   // stage's arrival, release at CTA scope, publishes it (in B-first, the arrival after the wait).

@@ -113,10 +113,11 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // starts an L2 tile once every L1 tile of its pool m-block is stored (ready[m] counts the math
 // warpgroups' releases, kMathWarpgroups per L1 tile), so the L1 tail of some blocks overlaps the
 // first L2 tiles of others. Each role sets its register budget once for both GEMMs.
-// Which tiles a block runs: with `claim` (FusedMoeParams::claim_tiles, every call but the tiny
-// ones) the producer thread takes the next linear tile of each GEMM from a grid-wide counter
-// (claim[0] L1, claim[1] L2), so blocks that left the dispatch late, or that a static order would
-// give one tile more, take fewer tiles; without it, the static order (block b: b, b + grid, ...).
+// Which tiles a block runs: with `claim` (FusedMoeParams::claim_tiles) the producer thread runs
+// tile b of each GEMM first and then takes each next linear tile from a grid-wide counter
+// (claim[0] L1, claim[1] L2, offset by the grid), so blocks that left the dispatch late, or that a
+// static order would give one tile more, take fewer tiles; without it, the static order
+// (block b: b, b + grid, ...).
 // With claims, and always in the throughput variant (from_slots below), the producer publishes
 // each tile to the math warpgroups through the stage that carries its first K block, then an end
 // mark per GEMM (gemm::Sm90TmaProducer::run).
@@ -137,7 +138,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
-                                                 uint32_t* claim, int first_claim, bool b_first,
+                                                 uint32_t* claim, bool b_first,
                                                  unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   // Whether the producer publishes the tiles and the math warpgroups read them from the slots: with
@@ -153,7 +154,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
       // An L1 tile's rows are loaded once the dispatch's pullers wrote all of them (arrive[m-block]
       // = valid rows x pull slices); the producer fences the proxies after each acquire.
       gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first, from_slots,
-                                    claim, first_claim);
+                                    claim);
       diag::trace(diag::kFusedProdL1);
       gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first, from_slots,
                                     claim ? claim + 1 : nullptr);
@@ -264,11 +265,6 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // arrived (the L1 producer waits on arrive[]). The smem scratch of dispatch was read with generic
   // loads and is overwritten by TMA next.
   ptx::fence_proxy_async_shared_cta();
-  // The block's first L1 tile is claimed here, by the producer thread, so the atomic's latency
-  // overlaps the epoch wait (fused_gemm_tiles; the claim order is still the order in which blocks
-  // finished their pull).
-  int first_claim = -1;
-  if (p.claim_tiles && threadIdx.x == 0) first_claim = int(atomicAdd(claim, 1u));
   if (threadIdx.x == 0)
     comm::wait_geq_acquire_gpu(site, reinterpret_cast<const uint64_t*>(p.dispatch.local_ws + loc.layout_epoch_offset()),
                                dispatch_epoch, "layout_epoch", int(blockIdx.x));
@@ -279,7 +275,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
-      uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, first_claim, p.b_first != 0,
+      uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, p.b_first != 0,
       p.phase_ts);
   diag::trace(diag::kFusedGemm);
   comm::grid_barrier(barrier_word, site);
@@ -302,8 +298,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       ready[i] = 0;
       arrive[i] = 0;
     }
-    // Every claim (one per tile and one past the end, per block and GEMM) returned before the
-    // barrier.
+    // Every claim (one per tile after the block's first, and one past the end, per block and GEMM)
+    // returned before the barrier.
     if (blockIdx.x == 0 && threadIdx.x < 2) claim[threadIdx.x] = 0;
   }
   diag::trace(diag::kFusedReset);

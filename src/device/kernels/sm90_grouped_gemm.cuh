@@ -99,13 +99,12 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     typename Cfg::Mainloop::State& st,
                                                     const uint32_t* ready = nullptr, uint32_t target = 0,
                                                     uint32_t per_row = 0, bool b_first = false,
-                                                    bool publish_tiles = false, uint32_t* claim = nullptr,
-                                                    int first_claim = -1) {
+                                                    bool publish_tiles = false, uint32_t* claim = nullptr) {
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
                                   typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
   producer.st = st;
-  producer.run(ready, target, per_row, b_first, publish_tiles, claim, first_claim);
+  producer.run(ready, target, per_row, b_first, publish_tiles, claim);
   st = producer.st;
 }
 
