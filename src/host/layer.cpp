@@ -340,9 +340,9 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // Whether the megakernel's blocks claim their GEMM tiles from a grid-wide counter (the dynamic
   // order) rather than take them in the static order. Measured at R = 1 (docs/MEGAKERNEL.md,
   // thirteenth session, three rounds): claims took 90 us off 4096 tokens, 70 off 8192, 35 off
-  // 1024 and 17 off 8; in tiny calls they were 3-14 us slower at 1-2 tokens (132 blocks then
-  // reach the counter at once for about one tile each) and level or faster at 4, so they stay off
-  // there, where the decode calls of 1-2 tokens are.
+  // 1024 and 17 off 8; in tiny calls they were 2-10 us slower at 1-2 tokens (means of two calls;
+  // also with each block's first tile static) and level at 4, so they stay off there, where the
+  // decode calls of 1-2 tokens are.
   bool fused_claim(int num_tokens) const {
     if (fused_claim_ >= 0) return fused_claim_ == 1;
     return !tiny_call(num_tokens);
