@@ -15,7 +15,6 @@
 #include "epmoe/dispatch.h"
 #include "host/check.h"
 #include "device/kernels/sm90_fused_launch.h"
-#include "device/layout/comm_layout.h"
 #include "host/dispatch_internal.h"
 #include "host/gemm.h"
 #include "host/layer_impl.h"
@@ -91,21 +90,17 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       const std::string v(env);
       fused_epilogue_ = v == "inline" ? 1 : v == "deferred" ? 2 : 0;
     }
-    // Benchmark / A-B switches for the megakernel's weight prefetch (K blocks, 0..64) and B-first
-    // loads (0 or 1); out-of-range values are ignored (docs/MEGAKERNEL.md).
-    if (const char* env = std::getenv("EPMOE_FUSED_PREFETCH")) {
-      const int v = std::atoi(env);
-      if (v >= 0 && v <= 64) fused_prefetch_ = v;
-    }
-    if (const char* env = std::getenv("EPMOE_FUSED_B_FIRST")) {
-      const int v = std::atoi(env);
-      if (v == 0 || v == 1) fused_b_first_ = v;
-    }
-    // ... and for the tiles claimed from a grid-wide counter (0 or 1).
-    if (const char* env = std::getenv("EPMOE_FUSED_CLAIM")) {
-      const int v = std::atoi(env);
-      if (v == 0 || v == 1) fused_claim_ = v;
-    }
+    // Benchmark / A-B switches for the megakernel's weight prefetch (K blocks, 0..64), B-first
+    // loads and tile claims (0 or 1); out-of-range values are ignored (docs/MEGAKERNEL.md).
+    const auto env_switch = [](const char* name, int lo, int hi, int& out) {
+      if (const char* env = std::getenv(name)) {
+        const int v = std::atoi(env);
+        if (v >= lo && v <= hi) out = v;
+      }
+    };
+    env_switch("EPMOE_FUSED_PREFETCH", 0, 64, fused_prefetch_);
+    env_switch("EPMOE_FUSED_B_FIRST", 0, 1, fused_b_first_);
+    env_switch("EPMOE_FUSED_CLAIM", 0, 1, fused_claim_);
     return agree_across_ranks(planned);
   }
 
@@ -391,12 +386,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // The megakernel's attributes and co-resident grid, on the current (the layer's) device.
   Status configure_fused() {
     if (!kFusedPathEnabled) return Status::Ok();
-    // The megakernel's arrival and readiness counters (one per 128 pool rows) hold one expert's
-    // rows only if every expert segment starts on such a block (a review at R >= 2 found this
-    // assumed and unchecked). A guard for changes to row_align(): today it is 128.
-    if (gemm::row_align(cfg_.dtype) % layout::CommLocalLayout::kReadyBlockRows != 0)
-      return Status(StatusCode::kUnsupported, "forward: path=fused needs the pool's rows aligned to " +
-                                                  std::to_string(layout::CommLocalLayout::kReadyBlockRows));
     const cudaError_t e = cfg_.dtype == DType::kFP8 ? fused::configure_sm90_fused_moe_fp8(comm_.device(), &fused_grid_)
                                                     : fused::configure_sm90_fused_moe_bf16(comm_.device(), &fused_grid_);
     if (e != cudaSuccess)

@@ -53,7 +53,7 @@ struct Sm90TmaProducer {
   // warpgroups learn it from the claim slots: each tile's linear index goes into the slot of the
   // stage that carries its first K block (written after the stage was acquired, published by the
   // stage's arrival), and after the last tile one more stage carries kNoMoreTiles and no bytes
-  // (sm90_math_tiles<..., kClaimed>). The sequence is the static order (block b: tiles b,
+  // (sm90_math_tiles with from_slots). The sequence is the static order (block b: tiles b,
   // b + grid, ...) unless `claim` is given: then block b's first tile is still tile b, and each
   // later one is grid + the next value of that grid-wide counter. The next claim is taken while the
   // current tile's K block num_k_blocks - kStages is issued, when the ring holds about one ring of
@@ -100,8 +100,7 @@ struct Sm90TmaProducer {
     }
     if (publish_tiles) {
       // The end mark: a stage with no bytes whose slot says so; the math warpgroups release it.
-      if (!pipe.producer_acquire(st))
-        pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
+      acquire_stage();
       ptx::st_shared_u32(smem_s() + Layout::claim_slot(st.index), kNoMoreTiles);
       ptx::mbarrier_arrive_release_cta_s(ptx::smem_u32(pipe.producer_barrier(st)));
       ++st;
@@ -123,9 +122,9 @@ struct Sm90TmaProducer {
   __device__ static bool wait_ready(const uint32_t* w, uint32_t target) {
     // Why a signed difference: the counters restart from 0 every call, but this stays right
     // even if they were ever allowed to wrap.
-    if (int32_t(ptx::ld_acquire_gpu(w) - target) >= 0) return true;
+    if (is_ready(w, target)) return true;
     const uint64_t start = ptx::globaltimer_ns();
-    while (int32_t(ptx::ld_acquire_gpu(w) - target) < 0) {
+    while (!is_ready(w, target)) {
       if (ptx::globaltimer_ns() - start > pipeline::kWaitTimeoutNs) return false;
       // Why: this thread shares its SM sub-partition with math warps, and up to a grid of
       // producers polls counters that the math warpgroups' releases also hit.
@@ -151,18 +150,14 @@ struct Sm90TmaProducer {
   __device__ void issue_b(const scheduler::GemmTile& tile, int kb) {
     static_assert(Layout::kTxBytes > Layout::kTileB, "a stage holds more than its B tile");
     claim_next(kb);
-    if (!pipe.producer_acquire(st))
-      pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
-    publish_claim();
+    acquire_stage();
     uint64_t* full = pipe.producer_barrier(st);
     ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTileB);
     load_b(tile, kb, full, st.index);
     ++st;
   }
   __device__ uint64_t* take_stage() {
-    if (!pipe.producer_acquire(st))
-      pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
-    publish_claim();
+    acquire_stage();
     uint64_t* full = pipe.producer_barrier(st);
     ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes);
     return full;
@@ -186,9 +181,12 @@ struct Sm90TmaProducer {
   __device__ void claim_next(int kb) {
     if (kb == claim_kb) claimed = int(gridDim.x) + int(atomicAdd(claim_ctr, 1u));
   }
-  // A published tile's index into the slot of the stage just acquired (its first K block). The
-  // stage's arrival, release at CTA scope, publishes it (in B-first, the arrival after the wait).
-  __device__ void publish_claim() {
+  // Waits (bounded) until the consumers released the next stage, then writes a published tile's
+  // index into its slot if this stage carries the tile's first K block. The stage's arrival,
+  // release at CTA scope, publishes it (in B-first, the arrival after the wait).
+  __device__ void acquire_stage() {
+    if (!pipe.producer_acquire(st))
+      pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
     if (publish != kNoMoreTiles) {
       ptx::st_shared_u32(smem_s() + Layout::claim_slot(st.index), publish);
       publish = kNoMoreTiles;

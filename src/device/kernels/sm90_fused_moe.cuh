@@ -102,6 +102,10 @@ struct FusedMoeConfig {
   static constexpr int kDispatchScratchBytes =
       ((Limits::kMaxRanks + 1) * Limits::kMaxExpertsPerRank + 1) * int(sizeof(int));
   static_assert(kDispatchScratchBytes <= int(Layout::b_offset(0)), "dispatch scratch must fit in the A tiles");
+  // The arrival and readiness counters count 128 pool rows each; the layer's pool aligns every
+  // expert segment to the GEMM's BLOCK_M (gemm::row_align), so a counter never mixes two experts.
+  static_assert(gemm::kBlockM == layout::CommLocalLayout::kReadyBlockRows,
+                "one arrival / readiness counter per GEMM m-block");
 };
 
 // Named barrier on which the math warpgroups (arrive, 256 threads) release the producer
@@ -180,10 +184,10 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
-  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, true>(p1, pipe, st, wg, ready, 0u, from_slots);
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready, 0u, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
-  if (r.ok) r = gemm::sm90_math_tiles<L2, true, true>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
+  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without

@@ -128,18 +128,18 @@ struct MathTilesResult {
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
 // storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
-// kClaimed (the fused kernel): with from_slots, the producer publishes the tile sequence
+// from_slots (the fused kernel): the producer publishes the tile sequence
 // (Sm90TmaProducer::run with publish_tiles; its blocks may claim tiles from a grid-wide counter)
 // and each tile's index is read from the claim slot of the stage that carries its first K block,
 // after the wait for that stage (which the mainloop's own first wait then finds complete); the
 // producer's end mark (kNoMoreTiles) ends the loop, and its stage is released at once. Without
 // from_slots both roles walk the static order, as in the standalone kernels.
-template <class Cfg, bool kEndStorer = true, bool kClaimed = false>
+template <class Cfg, bool kEndStorer = true>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
                                                            uint32_t* done = nullptr, uint32_t first_tile_count = 0,
-                                                           bool from_slots = true) {
+                                                           bool from_slots = false) {
   using Mainloop = typename Cfg::Mainloop;
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
@@ -159,26 +159,22 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     pending = -1;
   };
   for (;;) {
-    if constexpr (kClaimed) {
-      // from_slots: the tile is known only from its slot. Otherwise the producer walks the static
-      // order without publishing it, and so does this, as in the standalone kernels (the tile's
-      // first weight scales then load before its stage lands: read from the slot, that load's
-      // latency was exposed once per tile, ~1 us per tile in decode calls at R = 1).
-      if (from_slots) {
-        if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
-        const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
-        if (id == kNoMoreTiles) {
-          __syncwarp();
-          if (threadIdx.x % 32 == 0) pipe.consumer_release(st);
-          ++st;
-          break;
-        }
-        sched.seek(int(id), tile);
-      } else if (!sched.next(tile)) {
+    // from_slots: the tile is known only from its slot. Otherwise the producer walks the static
+    // order without publishing it, and so does this, as the standalone kernels do (the tile's first
+    // weight scales then load before its stage lands: read from the slot, that load's latency was
+    // exposed once per tile, ~1 us per tile in decode calls at R = 1).
+    if (from_slots) {
+      if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+      const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
+      if (id == kNoMoreTiles) {
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) pipe.consumer_release(st);
+        ++st;
         break;
       }
-    } else {
-      if (!sched.next(tile)) break;
+      sched.seek(int(id), tile);
+    } else if (!sched.next(tile)) {
+      break;
     }
     const float* b_scale[2] = {nullptr, nullptr};
     if constexpr (Cfg::kFp8) {
