@@ -192,6 +192,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.prefetch_k_blocks = fused_prefetch_;
       fp.b_first = fused_b_first(num_tokens) ? 1 : 0;
       fp.claim_tiles = fused_claim(num_tokens) ? 1 : 0;
+      fp.combine_blocks = fp.claim_tiles ? fused_combine_blocks(num_tokens) : 0;
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
         const Status z = detail::cuda_status(
@@ -203,9 +204,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       const fused::FusedMoeMaps maps{plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a,
                                      plan_l2_.map_b, plan_l1_.map_d, plan_l2_.map_d};
       const bool deferred = fused_deferred(num_tokens);
-      // Combine blocks only where L2 runs strip by strip (the throughput variant) and its tiles
-      // are claimed (FusedMoeParams::combine_blocks).
-      fp.combine_blocks = fp.claim_tiles && deferred ? fused_combine_blocks(num_tokens) : 0;
       const cudaError_t e = cfg_.dtype == DType::kFP8
                                 ? fused::launch_sm90_fused_moe_fp8(maps, fp, deferred, fused_grid_, stream)
                                 : fused::launch_sm90_fused_moe_bf16(maps, fp, deferred, fused_grid_, stream);

@@ -147,19 +147,17 @@ E2E_CASE(FusedInlineEpilogueManyTokens, kBothPaths, 240, {
 // ---- The megakernel's combine blocks (FusedMoeParams::combine_blocks, docs/MEGAKERNEL.md) --------
 // Forced through EPMOE_FUSED_COMBINE_BLOCKS: those blocks run no L2 tile and sum the L2 strips for
 // the combine while the other blocks compute later strips. Hidden sizes with one partial strip
-// (512: two 256-column tiles) and a last strip of one tile (1152), both dtypes, Zipf routing (full
-// and partial tiles), and a soak with fresh routing per call. Combine blocks are used in the
-// throughput variant only (the layer ignores them otherwise), so these force it where the
-// per-call choice would not.
+// (512: two 256-column tiles) and a last strip of one tile (1152), both epilogue variants, Zipf
+// routing (full and partial tiles), and a soak with fresh routing per call.
 E2E_CASE(FusedCombineBlocksDsv3, kFusedOnly, 240, {
   LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {1100, 1024});
   c.sample_per_rank = 12;
   c.fused_combine_blocks = 8;
   return c;
 })
-E2E_CASE(FusedCombineBlocksZipf, kFusedOnly, 240, {
+E2E_CASE(FusedCombineBlocksInlineZipf, kFusedOnly, 240, {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kZipf, {1024, 900});
-  c.fused_epilogue = "deferred";
+  c.fused_epilogue = "inline";
   c.fused_combine_blocks = 4;
   return c;
 })

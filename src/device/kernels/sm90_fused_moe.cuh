@@ -67,12 +67,6 @@
 #define EPMOE_GEMM_EPILOGUE_TID_PER_TILE 1
 #endif
 
-// Experiment switch (docs/MEGAKERNEL.md): 0 keeps the throughput variant's L2 in the expert-major
-// order.
-#ifndef EPMOE_FUSED_STRIP_ORDER
-#define EPMOE_FUSED_STRIP_ORDER 1
-#endif
-
 #include <cuda.h>
 
 #include <cstdint>
@@ -104,14 +98,11 @@ struct FusedMoeConfig {
   // Why 4 stages: as in the standalone GEMMs (4 x 48.5 KB fills the 227 KB of smem).
   using L1 = gemm::Sm90GroupedGemmConfig<
       kFp8, (kDeferred && kFp8) ? gemm::Sm90Epilogue::kSwiGLUDeferred : gemm::Sm90Epilogue::kSwiGLU, 4>;
-  // L2 counts its stored tiles per strip of 1024 output channels, which the combine sums as soon as
-  // the strip is complete (comm::combine_strips); the throughput variant also runs L2 in
-  // strip-major order, so that strips complete one after the other while L2 computes.
+  // L2 in strip-major order: the combine sums each strip of 1024 output channels as soon as it is
+  // stored (comm::combine_strips).
   static constexpr int kStripN = layout::CommLocalLayout::kStripChannels / gemm::kBlockN;
-  static constexpr bool kStripOrder = kDeferred && EPMOE_FUSED_STRIP_ORDER;
   using L2 = gemm::Sm90GroupedGemmConfig<
-      kFp8, kDeferred ? gemm::Sm90Epilogue::kStoreBf16Deferred : gemm::Sm90Epilogue::kStoreBf16, 4, kStripN,
-      kStripOrder>;
+      kFp8, kDeferred ? gemm::Sm90Epilogue::kStoreBf16Deferred : gemm::Sm90Epilogue::kStoreBf16, 4, kStripN>;
   static constexpr bool kHasStorer = L2::kHasStorer;
   static_assert(!L1::kHasStorer || kHasStorer, "one storer serves L1 and L2");
   using Layout = typename L1::Layout;
@@ -210,7 +201,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
       if (threadIdx.x == 32) {
         uint32_t phase = 0, count = 0;
         if (!gemm::Sm90EpilogueDeferredBf16::drain_fused<typename L2::Layout, L2::kStages, L1::kHasStorer,
-                                                         L2::kDoneStripN>(
+                                                         L2::Scheduler::kStrip>(
                 p1, d1, p2, d2, ready, uint32_t(gemm::kMathWarpgroups), uint32_t(gemm::kMathWarpgroups * 4), phase,
                 count, strips, uint32_t(gemm::kMathWarpgroups)))
           pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(count));

@@ -63,12 +63,9 @@ inline constexpr uint32_t kMathBarrierBase = 1;
 // warpgroups (256 threads).
 inline constexpr uint32_t kBothMathBarrier = 4;
 
-// kStripN_ > 0 (the megakernel's L2): the `done` counters of sm90_math_tiles count per strip of
-// kStripN_ N tiles instead of per pool m-block; kStripOrder_: the tiles also run in strip-major
-// order (GroupedTileScheduler).
-template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kStripN_ = 0, bool kStripOrder_ = false>
+// kStripN_ > 0: the strip-major tile order (GroupedTileScheduler; the megakernel's L2).
+template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kStripN_ = 0>
 struct Sm90GroupedGemmConfig {
-  static constexpr int kDoneStripN = kStripN_;
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU || kEpi == Sm90Epilogue::kSwiGLUDeferred;
@@ -83,7 +80,7 @@ struct Sm90GroupedGemmConfig {
   using Layout = Sm90SmemLayout<kFp8_, kStages_>;
   using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
-  using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN, kStripOrder_ ? kStripN_ : 0>;
+  using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN, kStripN_>;
   using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler>;
   static_assert(kMathWarpgroups * kWarpgroupM == kBlockM, "the math warpgroups split the tile's M");
   static_assert((kMathWarpgroups + 1) * 128 == kNumThreads, "one producer warpgroup plus the math warpgroups");
@@ -161,7 +158,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   // `done` counts per pool m-block (L1) or, in the strip-major order, per strip (the megakernel's
   // L2, whose strips the combine reads).
   const auto done_index = [](const scheduler::GemmTile& t) {
-    return Cfg::kDoneStripN > 0 ? t.n_block / max(Cfg::kDoneStripN, 1) : t.row0 / kBlockM;
+    return Cfg::Scheduler::kStrip > 0 ? Cfg::Scheduler::strip_of(t) : t.row0 / kBlockM;
   };
   // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
   // warpgroup's barrier, then one cumulative release. (The combine's generic loads, for the L2

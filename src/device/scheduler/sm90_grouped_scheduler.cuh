@@ -75,6 +75,9 @@ struct GroupedTileScheduler {
     m_block = within / width;
   }
 
+  // The strip of a tile (strip-major order): the index of the megakernel's per-strip counters.
+  __device__ __forceinline__ static int strip_of(const GemmTile& t) { return kStripN > 0 ? t.n_block / kStripN : 0; }
+
   // Static order: block b takes linear tiles b, b + gridDim.x, ... (the standalone kernels).
   __device__ __forceinline__ bool next(GemmTile& t) {
     next_linear = next_linear < 0 ? int(blockIdx.x) : next_linear + int(gridDim.x);
