@@ -101,8 +101,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     env_switch("EPMOE_FUSED_PREFETCH", 0, 64, fused_prefetch_);
     env_switch("EPMOE_FUSED_B_FIRST", 0, 1, fused_b_first_);
     env_switch("EPMOE_FUSED_CLAIM", 0, 1, fused_claim_);
-    // At most a quarter of the grid, so that L2 keeps most SMs.
-    env_switch("EPMOE_FUSED_COMBINE_BLOCKS", 0, fused_grid_ / 4, fused_combine_blocks_);
     return agree_across_ranks(planned);
   }
 
@@ -192,7 +190,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.prefetch_k_blocks = fused_prefetch_;
       fp.b_first = fused_b_first(num_tokens) ? 1 : 0;
       fp.claim_tiles = fused_claim(num_tokens) ? 1 : 0;
-      fp.combine_blocks = fp.claim_tiles ? fused_combine_blocks(num_tokens) : 0;
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
         const Status z = detail::cuda_status(
@@ -321,7 +318,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   int fused_prefetch_ = 0;
   int fused_b_first_ = -1;  // -1: per call (fused_b_first), 0: off, 1: on
   int fused_claim_ = -1;    // -1: per call (fused_claim), 0: off, 1: on
-  int fused_combine_blocks_ = -1;  // -1: per call (fused_combine_blocks), else that many
 
   // The smallest decode calls: an expert holds at most one row on average (num_tokens x topk <=
   // experts_per_rank, with every rank at num_tokens), so the pull is a few units, the weight
@@ -345,14 +341,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   bool fused_claim(int num_tokens) const {
     if (fused_claim_ >= 0) return fused_claim_ == 1;
     return !tiny_call(num_tokens);
-  }
-
-  // How many of the megakernel's blocks sum the L2 strips for the combine instead of running L2
-  // tiles (FusedMoeParams::combine_blocks; only with claims).
-  int fused_combine_blocks(int num_tokens) const {
-    if (fused_combine_blocks_ >= 0) return fused_combine_blocks_;
-    (void)num_tokens;
-    return 0;
   }
 
   // The megakernel's variant for a call of num_tokens local tokens: the throughput variant (TMA

@@ -184,37 +184,8 @@ std::string LayerCase::describe() const {
   if (bf16_partials) os << "/bf16_partials";
   if (path == Path::kFused) os << "/fused";
   if (fused_epilogue) os << "/" << fused_epilogue;
-  if (fused_combine_blocks >= 0) os << "/combine_blocks=" << fused_combine_blocks;
   return os.str();
 }
-
-// Sets `name` to `value` (nullptr: leaves it alone) until the end of the scope, then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (!value) return;
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
-    set_ = true;
-  }
-  ~ScopedEnv() {
-    if (!set_) return;
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false, set_ = false;
-};
 
 Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed) {
   const int R = ctx.size, rank = ctx.rank;
@@ -226,14 +197,8 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
   std::unique_ptr<MoELayer> layer;
   LayerConfig cfg = make_config(p);
   if (c.bf16_partials) cfg.combine_partials = PartialPrecision::kBFloat16;
-  {
-    // The case's megakernel settings, in this rank's process while the layer reads them at create;
-    // then the environment as it was, so that a later case (or an outer override) is unaffected.
-    ScopedEnv epilogue("EPMOE_FUSED_EPILOGUE", c.fused_epilogue);
-    const std::string blocks = std::to_string(c.fused_combine_blocks);
-    ScopedEnv combine_blocks("EPMOE_FUSED_COMBINE_BLOCKS", c.fused_combine_blocks >= 0 ? blocks.c_str() : nullptr);
-    EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
-  }
+  if (c.fused_epilogue) setenv("EPMOE_FUSED_EPILOGUE", c.fused_epilogue, 1);  // this rank's process only
+  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 

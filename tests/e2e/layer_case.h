@@ -42,9 +42,6 @@ struct LayerCase {
   // The megakernel's epilogue variant, through EPMOE_FUSED_EPILOGUE in this rank's process before
   // the layer is created: "inline", "deferred", or nullptr for the per-call choice.
   const char* fused_epilogue = nullptr;
-  // The megakernel's combine blocks, through EPMOE_FUSED_COMBINE_BLOCKS the same way; -1 for the
-  // per-call choice.
-  int fused_combine_blocks = -1;
   std::string describe() const;
 };
 

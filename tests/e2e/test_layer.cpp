@@ -42,9 +42,8 @@ LayerCase make(Shape s, DType d, Routing r, std::vector<int> t = {}) {
 // Each case runs on both paths: LayerE2E.<name> (the pipeline) and LayerE2EFused.<name> (the
 // megakernel, which also checks that its y is bitwise the pipeline's and bitwise repeatable).
 // Cases marked kPipelineOnly run on the pipeline only (the fused suite keeps the mgpu run within
-// its time budget and covers the same code paths through the other cases); kFusedOnly cases test a
-// megakernel setting that the pipeline does not have (their fused run still compares with it).
-enum Paths { kBothPaths, kPipelineOnly, kFusedOnly };
+// its time budget and covers the same code paths through the other cases).
+enum Paths { kBothPaths, kPipelineOnly };
 
 LayerCase fused(LayerCase c) {
   c.path = Path::kFused;
@@ -53,10 +52,7 @@ LayerCase fused(LayerCase c) {
 
 #define E2E_CASE(Name, paths, timeout_s, ...)                                                       \
   LayerCase Name##_case() { __VA_ARGS__ }                                                            \
-  TEST(LayerE2E, Name) {                                                                              \
-    if (paths == kFusedOnly) GTEST_SKIP() << "fused-only case";                                      \
-    run_case(Name##_case(), 2, timeout_s);                                                            \
-  }                                                                                                   \
+  TEST(LayerE2E, Name) { run_case(Name##_case(), 2, timeout_s); }                                     \
   TEST(LayerE2EFused, Name) {                                                                         \
     if (paths == kPipelineOnly) GTEST_SKIP() << "pipeline-only case";                                \
     run_case(fused(Name##_case()), 2, timeout_s);                                                     \
@@ -144,46 +140,6 @@ E2E_CASE(FusedInlineEpilogueManyTokens, kBothPaths, 240, {
   c.fused_epilogue = "inline";
   return c;
 })
-// ---- The megakernel's combine blocks (FusedMoeParams::combine_blocks, docs/MEGAKERNEL.md) --------
-// Forced through EPMOE_FUSED_COMBINE_BLOCKS: those blocks run no L2 tile and sum the L2 strips for
-// the combine while the other blocks compute later strips. Hidden sizes with one partial strip
-// (512: two 256-column tiles) and a last strip of one tile (1152), both epilogue variants, Zipf
-// routing (full and partial tiles), and a soak with fresh routing per call.
-E2E_CASE(FusedCombineBlocksDsv3, kFusedOnly, 240, {
-  LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {1100, 1024});
-  c.sample_per_rank = 12;
-  c.fused_combine_blocks = 8;
-  return c;
-})
-E2E_CASE(FusedCombineBlocksInlineZipf, kFusedOnly, 240, {
-  LayerCase c = make(kQwen3, DType::kFP8, Routing::kZipf, {1024, 900});
-  c.fused_epilogue = "inline";
-  c.fused_combine_blocks = 4;
-  return c;
-})
-E2E_CASE(FusedCombineBlocksH1152, kFusedOnly, 240, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {700, 650});
-  c.shape = Shape{"h1152", 16, 1152, 512, 4};
-  c.fused_epilogue = "deferred";
-  c.fused_combine_blocks = 16;
-  return c;
-})
-E2E_CASE(FusedCombineBlocksBf16, kFusedOnly, 240, {
-  LayerCase c = make(kQwen3, DType::kBF16, Routing::kUniform, {900, 1024});
-  c.fused_epilogue = "deferred";
-  c.fused_combine_blocks = 12;
-  return c;
-})
-E2E_CASE(FusedCombineBlocksThousandCalls, kFusedOnly, 400, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {640, 512});
-  c.shape = Shape{"small", 8, 512, 256, 4};
-  c.calls = 1000;
-  c.check_every = 100;
-  c.sample_per_rank = 96;
-  c.fused_combine_blocks = 8;
-  return c;
-})
-
 // The per-call choice at a throughput token count (DSV3 slice, 1024+ tokens: deferred).
 E2E_CASE(Dsv3Fp8ManyTokens, kBothPaths, 240, {
   LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {1100, 1024});

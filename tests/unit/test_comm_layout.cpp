@@ -84,19 +84,9 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                            {l.recv_tokens_offset(), l.recv_tokens_bytes()},
                            {l.mblock_ready_offset(), l.mblock_ready_bytes()},
                            {l.mblock_arrive_offset(), l.mblock_ready_bytes()},
-                           {l.tile_claim_offset(), l.tile_claim_bytes()},
-                           {l.strip_done_offset(), l.strip_words() * 4}},
+                           {l.tile_claim_offset(), l.tile_claim_bytes()}},
                           l.num_bytes());
   EXPECT_EQ(l.tile_claim_bytes(), 8);  // the L1 and L2 counters
-  // H 4096: four strips of 1024 channels; done counts, claim counts, then the pull-done word.
-  EXPECT_EQ(l.combine_strips(), 4);
-  EXPECT_EQ(l.strip_claim_offset(), l.strip_done_offset() + 16);
-  EXPECT_EQ(l.pull_done_offset(), l.strip_done_offset() + 32);
-  EXPECT_EQ(l.strip_words(), 9);
-  const CommLocalLayout dsv3{CommShape{2, 64, 7168, 8, 100, true, 2}};
-  const CommLocalLayout h1152{CommShape{2, 64, 1152, 8, 100, true, 2}};
-  EXPECT_EQ(dsv3.combine_strips(), 7);
-  EXPECT_EQ(h1152.combine_strips(), 2);
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
   EXPECT_EQ(l.token_rows_bytes(), int64_t(4) * 1000 * 8 * 4);
   // Control words do not overlap each other, and each kernel's last-block counters are distinct.

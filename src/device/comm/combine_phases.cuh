@@ -65,7 +65,6 @@ __device__ __forceinline__ void add_partial8(float* acc, const char* row, int v)
 }
 
 constexpr int kSliceVecs = 32 * kVecs;  // one work unit covers this many 8-channel vectors of a row
-static_assert(kSliceVecs * 8 == CommLocalLayout::kStripChannels, "a combine slice is one L2 strip (combine_strips)");
 
 // Phase A for one slice of one (source, token): sum our rows of it in slot order, push one partial.
 // Why rows in groups of kRowsInFlight: their loads are in flight together (a token has ~K/R rows
@@ -172,71 +171,6 @@ __device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const
   }
 }
 
-// This call's combine epoch (the word is advanced by phase C's last block, after every block read it).
-__device__ __forceinline__ uint64_t combine_epoch(const CombineParams& p) {
-  return ld_ca_u64(reinterpret_cast<const uint64_t*>(p.local_ws + CommLocalLayout{p.shape}.combine_epoch_offset())) + 1;
-}
-__device__ __forceinline__ WaitSite combine_site(const CombineParams& p) {
-  return WaitSite{p.rank, p.timeout_ns,
-                  reinterpret_cast<uint32_t*>(p.local_ws + CommLocalLayout{p.shape}.status_offset()),
-                  p.timeout_record};
-}
-
-// Phase 0, by every thread of a block before the block's first phase-A unit: a source may still be
-// reading the partials we pushed into its buffer last call.
-__device__ __forceinline__ void combine_wait_previous(const CombineParams& p, uint64_t epoch) {
-  const CommSymLayout sym{p.shape};
-  if (threadIdx.x < p.shape.num_ranks)
-    wait_geq_acquire_sys(combine_site(p),
-                         reinterpret_cast<uint64_t*>(p.sym.ptr[p.rank] + sym.flag_offset(layout::kFlagCombineDone, threadIdx.x)),
-                         epoch - 1, "combine_done", threadIdx.x);
-  __syncthreads();
-}
-
-// Phases B and C, by every block once every rank flagged combine_ready for `epoch`.
-template <int kPartialBytes, int kWarps>
-__device__ __forceinline__ void combine_reduce(const CombineParams& p, uint64_t epoch) {
-  const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
-  const CommLocalLayout loc{s};
-  const int R = s.num_ranks;
-  const int nwarps = gridDim.x * kWarps;
-  char* me = p.sym.ptr[p.rank];
-  char* ws = p.local_ws;
-  // Why two counters: phase C must not depend on phase A's last block having reset the first one.
-  uint32_t* arrive_c = reinterpret_cast<uint32_t*>(ws + loc.combine_done_arrive_offset());
-  uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.combine_epoch_offset());
-  const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
-  const int slices = (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
-
-  // Phase B.
-  if (threadIdx.x < R)
-    wait_geq_acquire_sys(combine_site(p),
-                         reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineReady, threadIdx.x)),
-                         epoch, "combine_ready", threadIdx.x);
-  __syncthreads();
-  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineReady);
-  diag::trace(diag::kCombReady);
-  const int T = recv_tokens[p.rank];
-  const int64_t units_b = int64_t(T) * slices;
-  const int64_t first_b = first_unit<kWarps>(units_b);
-  const bool had_b = first_b < units_b;
-  for (int64_t u = first_b; u < units_b; u += nwarps)
-    reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
-  if (stamps_phase_end(had_b)) stamp_phase(p.phase_ts, kCombineEnd);
-  diag::trace(diag::kCombB);
-
-  // Phase C.
-  if (arrive_is_last_block(arrive_c)) {
-    if (threadIdx.x < R)
-      st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
-    if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);
-  }
-  diag::trace(diag::kCombEnd);
-}
-
-// The standalone combine kernel's phases (its own copy of phase 0, B and C: with the pieces above it
-// compiled to ~70 more instructions).
 template <int kPartialBytes, int kWarps>
 __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const CommShape& s = p.shape;
@@ -307,90 +241,8 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   diag::trace(diag::kCombEnd);
 }
 
-// ---- The megakernel's phase A, strip by strip (docs/MEGAKERNEL.md) -------------------------------
-// The fused L2 runs in strip-major order (scheduler::GroupedTileScheduler, kStripN = 4): strip s is
-// output channels [1024 s, 1024 s + 1024), which is exactly combine slice s. Its phase-A units
-// (source, token) can run once every L2 tile of the strip is stored: done[s] counts per_tile per
-// stored tile, so the strip is complete at per_tile x (m-blocks of all experts) x (its N tiles).
-// Static (no combine blocks): the warps of the grid split the (strip, source, token) units as
-// phase A splits its units, each unit waiting for its strip. Dynamic (the kernel keeps combine
-// blocks out of L2): every warp that gets here takes batches of kStripBatch units of the lowest
-// strip with units left from claim[s] (an atomic per batch, after a plain look whether any are
-// left), so the combine blocks sum strips while L2 computes later ones and the other blocks join
-// as their L2 tiles run out. Either way a unit sums its rows in slot order in one warp, so y does
-// not depend on who ran it. The caller runs phase 0 (combine_wait_previous) first, and after every
-// block is through here, a grid barrier and then combine_ready.
-struct CombineStrips {
-  const uint32_t* done;       // [strips] stored L2 tiles x per_tile
-  uint32_t* claim;            // [strips] claimed batches (dynamic)
-  const uint32_t* pull_done;  // blocks whose pull is done (token_rows written)
-  uint32_t pull_target;       // the grid
-  uint32_t per_tile;          // counts per stored L2 tile
-  int total_m_blocks;         // m-blocks of all experts
-  int n_tiles;                // L2 N tiles (256 columns each)
-  int strip_n;                // N tiles per strip
-  bool dynamic;
-};
-constexpr int kStripBatch = 4;
-
-template <int kPartialBytes, int kWarps>
-__device__ __forceinline__ void combine_strips(const CombineParams& p, const CombineStrips& cs) {
-  const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
-  const CommLocalLayout loc{s};
-  const int R = s.num_ranks, lane = int(threadIdx.x & 31);
-  const WaitSite site = combine_site(p);
-  const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(p.local_ws + loc.recv_tokens_offset());
-  const int32_t* token_rows = reinterpret_cast<const int32_t*>(p.local_ws + loc.token_rows_offset());
-  const int strips = (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
-  int max_t = 0;
-  for (int r = 0; r < R; ++r) max_t = max(max_t, recv_tokens[r]);
-  const int64_t per_strip = int64_t(max_t) * R;
-  if (per_strip == 0) return;
-  // Waits (every lane, bounded) until strip st is stored and, the first time, the pull is done.
-  int waited = -1;
-  const auto wait_strip = [&](int st) {
-    if (st == waited) return;
-    if (waited < 0) wait_geq_acquire_gpu_u32(site, cs.pull_done, cs.pull_target, "pull_done", 0);
-    const uint32_t target =
-        cs.per_tile * uint32_t(cs.total_m_blocks) * uint32_t(min(cs.strip_n, cs.n_tiles - st * cs.strip_n));
-    wait_geq_acquire_gpu_u32(site, cs.done + st, target, "l2_strip_done", st);
-    waited = st;
-  };
-  const auto run_unit = [&](int st, int64_t u) {
-    const SourceTokenSlice w = source_token_slice(u, 1, R, p.rank);
-    if (w.t < recv_tokens[w.src]) push_partial_slice<kPartialBytes>(p, sym, w.src, w.t, st, token_rows);
-  };
-  if (!cs.dynamic) {
-    const int64_t units = per_strip * strips;
-    for (int64_t g = first_unit<kWarps>(units); g < units; g += int64_t(gridDim.x) * kWarps) {
-      const int st = int(g / per_strip);
-      wait_strip(st);
-      run_unit(st, g % per_strip);
-    }
-    return;
-  }
-  const uint32_t batches = uint32_t((per_strip + kStripBatch - 1) / kStripBatch);
-  for (int st = 0; st < strips; ++st) {
-    for (;;) {
-      uint32_t b = batches;
-      if (lane == 0 && ld_relaxed_gpu_u32(cs.claim + st) < batches) b = atom_add_relaxed_gpu(cs.claim + st, 1u);
-      b = __shfl_sync(0xFFFFFFFFu, b, 0);
-      if (b >= batches) break;
-      wait_strip(st);
-      const int64_t u0 = int64_t(b) * kStripBatch;
-      for (int64_t u = u0; u < min(u0 + kStripBatch, per_strip); ++u) run_unit(st, u);
-    }
-  }
-}
-
 }  // namespace combine_detail
 
-using combine_detail::combine_epoch;
 using combine_detail::combine_phases;
-using combine_detail::combine_reduce;
-using combine_detail::combine_strips;
-using combine_detail::combine_wait_previous;
-using combine_detail::CombineStrips;
 
 }  // namespace epmoe::comm

@@ -154,17 +154,4 @@ __device__ __forceinline__ uint64_t wait_geq_acquire_gpu(const WaitSite& site, c
   return wait_geq_acquire<false>(site, p, expected, flag, index);
 }
 
-// The same for a u32 counter written on this GPU (the fused kernel's combine strips).
-__device__ __forceinline__ uint32_t wait_geq_acquire_gpu_u32(const WaitSite& site, const uint32_t* p,
-                                                             uint32_t expected, const char* flag, int index) {
-  uint32_t seen = ld_acquire_gpu(p);
-  if (seen >= expected) return seen;
-  const uint64_t start = globaltimer_ns();
-  while ((seen = ld_relaxed_gpu_u32(p)) < expected) {
-    const uint64_t waited = globaltimer_ns() - start;
-    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
-  }
-  return ld_acquire_gpu(p);
-}
-
 }  // namespace epmoe::comm

@@ -234,15 +234,11 @@ struct Sm90EpilogueDeferredBf16 {
   // (wait_group 0, not .read), after a proxy fence, with one gpu-scope release.
   // kL1Deferred: whether L1 tiles come at all (FP8; the fused kernel's BF16 L1 keeps the inline
   // store, and a kept-stage L1 tile would need its readiness counted here too).
-  // kStripN > 0 (the strip-major L2 order): an L2 tile's rows are read next by the combine's
-  // generic loads on any SM, which wait until strips[n_block / kStripN] counts every tile of the
-  // strip (kMathWarpgroups each): the storer adds `l2_arrivals` once the tile's stores completed,
-  // after a proxy fence, with one gpu-scope release, as for L1 tiles.
-  template <class Layout, int kStages, bool kL1Deferred, int kStripN = 0>
+  template <class Layout, int kStages, bool kL1Deferred>
   __device__ static bool drain_fused(const GroupedGemmParams& p1, const CUtensorMap* map_d1,
                                      const GroupedGemmParams& p2, const CUtensorMap* map_d2, uint32_t* ready,
                                      uint32_t l1_arrivals, uint32_t empty_arrivals, uint32_t& phase,
-                                     uint32_t& tile_count, uint32_t* strips = nullptr, uint32_t l2_arrivals = 0) {
+                                     uint32_t& tile_count) {
     const uint32_t smem_s = dyn_smem_base_s();
     if constexpr (kL1Deferred) ptx::prefetch_tensormap(map_d1);  // not encoded otherwise
     ptx::prefetch_tensormap(map_d2);
@@ -261,12 +257,6 @@ struct Sm90EpilogueDeferredBf16 {
         ptx::red_add_release_gpu(ready + row0 / kBlockM, l1_arrivals);
       } else {
         store_kept_tile<Layout, kStages>(p2, map_d2, smem_s, row0, n_block, info.w, empty_arrivals);
-        if constexpr (kStripN > 0) {
-          // Why per tile, as for L1: the combine may be waiting for exactly this strip.
-          ptx::bulk_wait_group_0();
-          ptx::fence_proxy_async_global();
-          ptx::red_add_release_gpu(strips + n_block / kStripN, l2_arrivals);
-        }
       }
     }
     ptx::bulk_wait_group_0();

@@ -32,10 +32,6 @@ struct Sm90TmaProducer {
   // (-1: none); and a published tile's index until its first stage carries it.
   uint32_t* claim_ctr = nullptr;
   int claimed = 0;
-  // With claims: this block's first tile and the offset of the counter's values (the grid, or the
-  // blocks that run this GEMM; see run).
-  int claim_first = 0;
-  int claim_base = 0;
   int claim_kb = -1;
   uint32_t publish = kNoMoreTiles;
 
@@ -66,9 +62,7 @@ struct Sm90TmaProducer {
   // that left the dispatch late, or would have had one tile more in the static order, no longer
   // ends the GEMMs late. Why the first tile static: when every block claimed its first tile, the
   // grid's atomics on one word at the same moment cost a one-token call ~4 us (docs/MEGAKERNEL.md,
-  // thirteenth session). "Tile b" and "grid" are claim_first and claim_base, set by the caller:
-  // blockIdx.x and gridDim.x, except in the megakernel's L2 with combine blocks, which run no L2
-  // tile (their claim_first lies past the last tile) while the other blocks claim among themselves.
+  // thirteenth session).
   __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
                       bool b_first = false, bool publish_tiles = false, uint32_t* claim = nullptr) {
     ptx::prefetch_tensormap(tmap_a);
@@ -76,7 +70,7 @@ struct Sm90TmaProducer {
     const int num_k_blocks = p->k / kBlockK;
     scheduler::GemmTile tile;
     claim_ctr = claim;
-    if (claim) claimed = claim_first;
+    if (claim) claimed = int(blockIdx.x);
     while (claim ? sched.seek(claimed, tile) : sched.next(tile)) {
       if (publish_tiles) {
         publish = uint32_t(sched.next_linear);
@@ -188,7 +182,7 @@ struct Sm90TmaProducer {
   // The block's next tile, once per tile at K block claim_kb (see run). Exactly one of issue and
   // issue_b sees each K block.
   __device__ void claim_next(int kb) {
-    if (kb == claim_kb) claimed = claim_base + int(atomicAdd(claim_ctr, 1u));
+    if (kb == claim_kb) claimed = int(gridDim.x) + int(atomicAdd(claim_ctr, 1u));
   }
   // Waits (bounded) until the consumers released the next stage, then writes a published tile's
   // index into its slot if this stage carries the tile's first K block. The stage's arrival,

@@ -28,14 +28,9 @@ struct FusedMoeParams {
   //   (gemm::Sm90TmaProducer::run);
   // claim_tiles: each block claims its GEMM tiles from a grid-wide counter instead of taking them
   //   in the static order (gemm::Sm90TmaProducer::run).
-  // combine_blocks: the grid's last combine_blocks blocks run no L2 tile; after their L1 tiles they
-  //   sum the L2 strips for the combine as the strips are stored, and the other blocks join as
-  //   their L2 tiles run out (comm::combine_strips). Needs claim_tiles. 0: every block runs L2
-  //   tiles, then the strips in the static split.
   int prefetch_k_blocks;
   int b_first;
   int claim_tiles;
-  int combine_blocks;
 };
 
 // Phase stamps of one fused call (see FusedMoeParams::phase_ts).
@@ -44,7 +39,7 @@ enum FusedPhase : int {
   kPhaseDispatchDone = 1,  // last block leaves the dispatch -> GEMM grid barrier
   kPhaseL1Done = 2,        // last math warpgroup finishes its L1 tiles
   kPhaseL2Done = 3,        // last math warpgroup finishes its L2 tiles
-  kPhaseCombineStart = 4,  // last block leaves the combine's strips (phase A) -> grid barrier
+  kPhaseCombineStart = 4,  // last block leaves the GEMM -> combine grid barrier
   kPhaseEnd = 5,           // last block finishes combine
   kFusedPhaseCount = 6
 };

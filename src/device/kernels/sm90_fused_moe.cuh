@@ -3,11 +3,8 @@
 //   dispatch (comm/dispatch_phases.cuh, megakernel mode) -> per block, as soon as its own pull is
 //   done: L1 + SwiGLU tiles and L2 tiles as one tile sequence, each L1 tile once its rows arrived
 //   (per-m-block arrival counters), each L2 tile once its m-block's L1 tiles are stored (per-m-block
-//   readiness counters); L2 in strip-major order (1024 output channels per strip) -> combine phase
-//   A strip by strip, each strip once its L2 tiles are stored (per-strip counters; with
-//   combine_blocks, the last blocks of the grid run no L2 tile and sum strips while L2 computes
-//   later ones) -> grid barrier -> combine_ready, dispatch's phase 4 (block 0), combine phases B
-//   and C (comm/combine_phases.cuh)
+//   readiness counters) -> grid barrier -> dispatch's phase 4 (block 0) and combine
+//   (comm/combine_phases.cuh)
 //
 // Every stage is the standalone kernels' own device code, so y is bitwise the pipeline's.
 // Block = the GEMM's 3 warpgroups (384 threads: producer + 2 math): the comm phases run on all 12
@@ -38,22 +35,12 @@
 //   (ld.acquire.gpu, bounded wait), issues fence.proxy.async.global, then its TMA loads.
 // - the smem scratch of dispatch is read with generic loads, then overwritten by TMA:
 //   fence.proxy.async.shared::cta, then __syncthreads.
-// - L2's o_pool stores -> combine phase A's generic loads: per strip. An inline-stored tile: each
-//   math warpgroup meets at its named barrier after its stores, one thread adds 1 to
-//   strips[strip] with red.release.gpu; a TMA-stored tile: the storer waits for the stores'
-//   completion, fences the proxies and adds kMathWarpgroups the same way. A phase-A warp acquires
-//   the strip's full count (ld.acquire.gpu, bounded wait) before its loads. Phase A also reads
-//   token_rows, which the pull writes for tokens with no row here too: each block releases
-//   pull_done once its pull is done (after a block barrier), and a phase-A warp acquires the
-//   grid's count first.
-// - phase A's partial pushes -> every rank's phase B: the grid barrier after phase A (each block's
-//   arrival fences at system scope), then block 0's st.release.sys of combine_ready. The same
+// - L2's generic o_pool stores -> combine's generic loads: the grid barrier alone. The same
 //   barrier orders every block's pull (its reads of the sources' staging) before block 0 tells the
 //   sources that their staging is free (dispatch_finish_reread: st.release.sys).
 // - arrive[] and ready[] restart from 0 every call: after the grid barrier (no GEMM load is
 //   pending) the blocks zero the counters of the m-blocks this call used; block 0 zeroes the two
-//   tile claim counters (every claim returned before its block reached the barrier) and the strip
-//   words (strip counts, batch claims, pull_done).
+//   tile claim counters (every claim returned before its block reached the barrier).
 //
 // Why no printf anywhere: a call in a kernel that issues wgmma serializes all wgmma (C7510),
 // hence EPMOE_COMM_WAIT_NO_PRINTF (timeouts are recorded in mapped host memory, then trap).
@@ -98,11 +85,8 @@ struct FusedMoeConfig {
   // Why 4 stages: as in the standalone GEMMs (4 x 48.5 KB fills the 227 KB of smem).
   using L1 = gemm::Sm90GroupedGemmConfig<
       kFp8, (kDeferred && kFp8) ? gemm::Sm90Epilogue::kSwiGLUDeferred : gemm::Sm90Epilogue::kSwiGLU, 4>;
-  // L2 in strip-major order: the combine sums each strip of 1024 output channels as soon as it is
-  // stored (comm::combine_strips).
-  static constexpr int kStripN = layout::CommLocalLayout::kStripChannels / gemm::kBlockN;
   using L2 = gemm::Sm90GroupedGemmConfig<
-      kFp8, kDeferred ? gemm::Sm90Epilogue::kStoreBf16Deferred : gemm::Sm90Epilogue::kStoreBf16, 4, kStripN>;
+      kFp8, kDeferred ? gemm::Sm90Epilogue::kStoreBf16Deferred : gemm::Sm90Epilogue::kStoreBf16, 4>;
   static constexpr bool kHasStorer = L2::kHasStorer;
   static_assert(!L1::kHasStorer || kHasStorer, "one storer serves L1 and L2");
   using Layout = typename L1::Layout;
@@ -122,19 +106,7 @@ struct FusedMoeConfig {
   // expert segment to the GEMM's BLOCK_M (gemm::row_align), so a counter never mixes two experts.
   static_assert(gemm::kBlockM == layout::CommLocalLayout::kReadyBlockRows,
                 "one arrival / readiness counter per GEMM m-block");
-  static_assert(kStripN * gemm::kBlockN == layout::CommLocalLayout::kStripChannels, "a strip is whole L2 tiles");
 };
-
-// A combine block's first L2 tile: past every tile, so it runs none (fused_gemm_tiles).
-inline constexpr int kNoL2Tile = 1 << 30;
-
-// The m-blocks of all experts of a GEMM (every L2 strip has this many tile rows), by every warp.
-__device__ __forceinline__ int total_m_blocks(const gemm::GroupedGemmParams& p) {
-  int m = 0;
-  for (int e = int(threadIdx.x & 31); e < p.num_groups; e += 32)
-    m += (ptx::ld_ca_s32(p.expert_count + e) + gemm::kBlockM - 1) / gemm::kBlockM;
-  return __reduce_add_sync(0xFFFFFFFFu, m);
-}
 
 // Named barrier on which the math warpgroups (arrive, 256 threads) release the producer
 // warpgroup (sync, 128) once they gave their registers back; 1 and 2 are the math warpgroups'
@@ -162,12 +134,7 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // publishes before its first L2 wait), so every release still happens.
 // The throughput variant's storer (thread 32, producer warpgroup) takes the block's deferred L1
 // tiles, then its deferred L2 tiles, in the order the math warpgroups stage them; it adds the
-// L1 tiles' readiness counts and the L2 tiles' strip counts itself once their TMA stores
-// completed. L2 runs in strip-major order; every stored L2 tile adds kMathWarpgroups to
-// strips[its strip] (the math warpgroups one each for an inline-stored tile), which the combine's
-// first phase waits on (comm::combine_strips).
-// l2_first / l2_base: this block's first L2 tile and the claims' offset (see
-// Sm90TmaProducer::claim_first): a combine block's first tile lies past the last, so it runs none.
+// L1 tiles' readiness counts itself once their TMA stores completed.
 template <class L1, class L2>
 __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CUtensorMap* b1, const CUtensorMap* d1,
                                                  const gemm::GroupedGemmParams& p1, const CUtensorMap* a2,
@@ -175,8 +142,8 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
-                                                 uint32_t* claim, bool b_first, uint32_t* strips,
-                                                 int l2_first, int l2_base, unsigned long long* phase_ts) {
+                                                 uint32_t* claim, bool b_first,
+                                                 unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   // Whether the producer publishes the tiles and the math warpgroups read them from the slots: with
   // claims, and always in the throughput variant. Why always there: a run-time choice cost that
@@ -194,16 +161,15 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                     claim);
       diag::trace(diag::kFusedProdL1);
       gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first, from_slots,
-                                    claim ? claim + 1 : nullptr, l2_first, l2_base);
+                                    claim ? claim + 1 : nullptr);
       diag::trace(diag::kFusedProdL2);
     }
     if constexpr (L2::kHasStorer) {
       if (threadIdx.x == 32) {
         uint32_t phase = 0, count = 0;
-        if (!gemm::Sm90EpilogueDeferredBf16::drain_fused<typename L2::Layout, L2::kStages, L1::kHasStorer,
-                                                         L2::Scheduler::kStrip>(
+        if (!gemm::Sm90EpilogueDeferredBf16::drain_fused<typename L2::Layout, L2::kStages, L1::kHasStorer>(
                 p1, d1, p2, d2, ready, uint32_t(gemm::kMathWarpgroups), uint32_t(gemm::kMathWarpgroups * 4), phase,
-                count, strips, uint32_t(gemm::kMathWarpgroups)))
+                count))
           pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(count));
       }
     }
@@ -221,7 +187,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready, 0u, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
-  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, strips, r.tiles_staged, from_slots);
+  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
@@ -267,9 +233,6 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   uint32_t* ready = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_ready_offset());
   uint32_t* arrive = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_arrive_offset());
   uint32_t* claim = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.tile_claim_offset());
-  uint32_t* strip_done = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.strip_done_offset());
-  uint32_t* strip_claim = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.strip_claim_offset());
-  uint32_t* pull_done = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.pull_done_offset());
   const comm::WaitSite site{p.dispatch.rank, p.dispatch.timeout_ns, status, p.dispatch.timeout_record};
 
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseStart, true);
@@ -310,58 +273,21 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     comm::wait_geq_acquire_gpu(site, reinterpret_cast<const uint64_t*>(p.dispatch.local_ws + loc.layout_epoch_offset()),
                                dispatch_epoch, "layout_epoch", int(blockIdx.x));
   __syncthreads();
-  // This block's pull is done (its token_rows, which the combine reads, are written): the block
-  // barrier above orders every warp's stores before this release.
-  if (threadIdx.x == 0) ptx::red_add_release_gpu(pull_done, 1u);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 
-  // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring. The last
-  // combine_blocks blocks run no L2 tile (p.combine_blocks, only with claims).
-  const int gemm_blocks = int(gridDim.x) - p.combine_blocks;
-  const bool combine_block = int(blockIdx.x) >= gemm_blocks;
+  // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
       uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, p.b_first != 0,
-      strip_done, combine_block ? kNoL2Tile : int(blockIdx.x), gemm_blocks, p.phase_ts);
+      p.phase_ts);
   diag::trace(diag::kFusedGemm);
-
-  // Combine phase 0, then phase A strip by strip as L2 stores the strips (comm::combine_strips).
-  const uint64_t combine_epoch = comm::combine_epoch(p.combine);
-  comm::combine_wait_previous(p.combine, combine_epoch);
-  {
-    comm::CombineStrips cs;
-    cs.done = strip_done;
-    cs.claim = strip_claim;
-    cs.pull_done = pull_done;
-    cs.pull_target = gridDim.x;
-    cs.per_tile = uint32_t(gemm::kMathWarpgroups);
-    cs.total_m_blocks = total_m_blocks(p.l2);
-    cs.n_tiles = (p.l2.n + gemm::kBlockN - 1) / gemm::kBlockN;
-    cs.strip_n = Cfg::kStripN;
-    cs.dynamic = p.combine_blocks > 0;
-    if (p.combine.shape.partial_bytes == 4) {
-      comm::combine_strips<4, Cfg::kWarps>(p.combine, cs);
-    } else {
-      comm::combine_strips<2, Cfg::kWarps>(p.combine, cs);
-    }
-  }
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
   diag::trace(diag::kFusedBarrier2);
 
-  if (blockIdx.x == 0) {
-    // Every block has pushed its partials: tell every rank (the barrier's system-scope fences
-    // order every block's pushes before this release).
-    if (threadIdx.x < uint32_t(p.combine.shape.num_ranks)) {
-      const layout::CommSymLayout csym{p.combine.shape};
-      comm::st_release_sys(
-          p.combine.sym.at<uint64_t>(threadIdx.x, csym.flag_offset(layout::kFlagCombineReady, p.combine.rank)),
-          combine_epoch);
-    }
-    // Every block has pulled: the sources' staging is free (dispatch's phase 4).
-    comm::dispatch_finish_reread(p.dispatch);
-  }
+  // Every block has pulled: the sources' staging is free (dispatch's phase 4).
+  if (blockIdx.x == 0) comm::dispatch_finish_reread(p.dispatch);
 
   // Every L2 tile has been loaded: reset the arrival and ready counters this call used (the pool's
   // expert_offset[E_loc] rows), so the next call starts from 0 without a memset launch.
@@ -377,18 +303,16 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       arrive[i] = 0;
     }
     // Every claim (one per tile after the block's first, and one past the end, per block and GEMM)
-    // returned before the barrier, as did every strip count, batch claim and pull-done release.
+    // returned before the barrier.
     if (blockIdx.x == 0 && threadIdx.x < 2) claim[threadIdx.x] = 0;
-    if (blockIdx.x == 0)
-      for (int i = int(threadIdx.x); i < int(loc.strip_words()); i += int(blockDim.x)) strip_done[i] = 0;
   }
   diag::trace(diag::kFusedReset);
 
-  // Combine phases B and C: y at home from every rank's partials.
+  // Combine: partial sums to the source ranks, y at home.
   if (p.combine.shape.partial_bytes == 4) {
-    comm::combine_reduce<4, Cfg::kWarps>(p.combine, combine_epoch);
+    comm::combine_phases<4, Cfg::kWarps>(p.combine);
   } else {
-    comm::combine_reduce<2, Cfg::kWarps>(p.combine, combine_epoch);
+    comm::combine_phases<2, Cfg::kWarps>(p.combine);
   }
   if (p.phase_ts) {
     __syncthreads();

@@ -63,8 +63,7 @@ inline constexpr uint32_t kMathBarrierBase = 1;
 // warpgroups (256 threads).
 inline constexpr uint32_t kBothMathBarrier = 4;
 
-// kStripN_ > 0: the strip-major tile order (GroupedTileScheduler; the megakernel's L2).
-template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kStripN_ = 0>
+template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
 struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kStages = kStages_;
@@ -80,7 +79,7 @@ struct Sm90GroupedGemmConfig {
   using Layout = Sm90SmemLayout<kFp8_, kStages_>;
   using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
-  using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN, kStripN_>;
+  using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>;
   using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler>;
   static_assert(kMathWarpgroups * kWarpgroupM == kBlockM, "the math warpgroups split the tile's M");
   static_assert((kMathWarpgroups + 1) * 128 == kNumThreads, "one producer warpgroup plus the math warpgroups");
@@ -92,8 +91,7 @@ struct Sm90GroupedGemmConfig {
 // tiles (the fused kernel). Why carried states: the fused kernel runs L1 and then L2 on
 // the same ring and barriers, so L2 continues at the phase L1 stopped at.
 
-// Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run;
-// claim_first / claim_base (-1: blockIdx.x / gridDim.x): see Sm90TmaProducer::claim_first.
+// Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
 template <class Cfg>
 __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                                     const GroupedGemmParams& p,
@@ -101,13 +99,10 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     typename Cfg::Mainloop::State& st,
                                                     const uint32_t* ready = nullptr, uint32_t target = 0,
                                                     uint32_t per_row = 0, bool b_first = false,
-                                                    bool publish_tiles = false, uint32_t* claim = nullptr,
-                                                    int claim_first = -1, int claim_base = -1) {
+                                                    bool publish_tiles = false, uint32_t* claim = nullptr) {
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
                                   typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
-  producer.claim_first = claim_first < 0 ? int(blockIdx.x) : claim_first;
-  producer.claim_base = claim_base < 0 ? int(gridDim.x) : claim_base;
   producer.st = st;
   producer.run(ready, target, per_row, b_first, publish_tiles, claim);
   st = producer.st;
@@ -155,14 +150,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   // Deferred tiles staged so far (the deferred epilogue's barrier phases): partial tiles, which
   // take the inline store, must not count, or the parities would no longer match the storer's.
   uint32_t tile_count = first_tile_count;
-  // `done` counts per pool m-block (L1) or, in the strip-major order, per strip (the megakernel's
-  // L2, whose strips the combine reads).
-  const auto done_index = [](const scheduler::GemmTile& t) {
-    return Cfg::Scheduler::kStrip > 0 ? Cfg::Scheduler::strip_of(t) : t.row0 / kBlockM;
-  };
   // The next reader is a TMA (async proxy) on another SM: proxy fence per writing thread, the
-  // warpgroup's barrier, then one cumulative release. (The combine's generic loads, for the L2
-  // strips, need no proxy fence; it is kept there for one code path.)
+  // warpgroup's barrier, then one cumulative release.
   const auto release_pending = [&] {
     ptx::fence_proxy_async_global();
     ptx::named_barrier_sync(kMathBarrierBase + uint32_t(wg), 128);
@@ -236,9 +225,6 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
           return MathTilesResult{false, kept, (tile_count & 1u) ^ 1u, sched.next_linear,
                                  pipeline::WaitSite::kEpilogueDrained};
         ++tile_count;
-        // The storer counts this tile once its stores completed; an earlier inline tile's count
-        // must not wait for this warpgroup's next inline tile (the strips' combine waits on it).
-        if (done && pending >= 0) release_pending();
         continue;
       }
       // L2: the staging tiles below are slabs 6-7 of the last deferred tile: wait until they drained.
@@ -271,7 +257,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                    kMathBarrierBase + uint32_t(wg));
       }
     }
-    if (done) pending = done_index(tile);
+    if (done) pending = tile.row0 / kBlockM;
   }
   if (done && pending >= 0) release_pending();
   if constexpr (Cfg::kHasStorer && kEndStorer) {

@@ -119,15 +119,6 @@ struct CommLocalLayout {
   // there. Zero between calls: block 0 resets them after the grid barrier that follows the GEMMs
   // (docs/MEGAKERNEL.md).
   EPMOE_HD int64_t tile_claim_bytes() const { return 8; }
-  // The fused kernel's combine strips (docs/MEGAKERNEL.md): L2 runs strip by strip, a strip being
-  // kStripChannels output channels (four 256-column L2 tiles, one combine slice), and the combine
-  // sums a strip for every token once that strip is stored. u32 words: [strips] stored-tile counts
-  // (kMathWarpgroups per L2 tile), [strips] claimed combine-unit batches, and one count of blocks
-  // whose pull is done (the combine reads token_rows, which the pull writes). Zero between calls:
-  // block 0 resets them after the grid barrier that follows the combine's first phase.
-  static constexpr int kStripChannels = 1024;
-  EPMOE_HD int64_t combine_strips() const { return (int64_t(s.hidden) + kStripChannels - 1) / kStripChannels; }
-  EPMOE_HD int64_t strip_words() const { return 2 * combine_strips() + 1; }
 
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
   EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
@@ -135,10 +126,7 @@ struct CommLocalLayout {
   EPMOE_HD int64_t mblock_ready_offset() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
   EPMOE_HD int64_t mblock_arrive_offset() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
   EPMOE_HD int64_t tile_claim_offset() const { return next(mblock_arrive_offset(), mblock_ready_bytes()); }
-  EPMOE_HD int64_t strip_done_offset() const { return next(tile_claim_offset(), tile_claim_bytes()); }
-  EPMOE_HD int64_t strip_claim_offset() const { return strip_done_offset() + combine_strips() * 4; }
-  EPMOE_HD int64_t pull_done_offset() const { return strip_done_offset() + 2 * combine_strips() * 4; }
-  EPMOE_HD int64_t num_bytes() const { return next(strip_done_offset(), strip_words() * 4); }
+  EPMOE_HD int64_t num_bytes() const { return next(tile_claim_offset(), tile_claim_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }

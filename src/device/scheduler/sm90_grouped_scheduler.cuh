@@ -21,18 +21,11 @@ struct GemmTile {
   int rows_valid;  // 1..kBlockM rows of the tile hold real tokens
 };
 
-// kStripN > 0 (the megakernel's L2): strip-major order. The N tiles are cut into strips of kStripN
-// (the last may be narrower); every tile of strip s (all experts, all m-blocks) comes before any
-// tile of strip s + 1, and within a strip the order is the one above with the strip's width as the
-// N extent. Why: the megakernel's combine sums one strip of output channels for every token as
-// soon as that strip's tiles are stored, while L2 computes later strips (docs/MEGAKERNEL.md).
-template <int kBlockM, int kGroupN, int kStripN = 0>
+template <int kBlockM, int kGroupN>
 struct GroupedTileScheduler {
   static_assert(kBlockM % 64 == 0, "BLOCK_M must be a multiple of the wgmma M of one warpgroup");
   static_assert(kGroupN >= 1, "the N raster group holds at least one tile");
-  static_assert(kStripN == 0 || kStripN <= kGroupN, "a strip is rastered as one N group");
   static constexpr int kTileM = kBlockM;
-  static constexpr int kStrip = kStripN;
 
   const int* count;
   const int* offset;
@@ -45,13 +38,6 @@ struct GroupedTileScheduler {
   int expert_tiles = 0;
   int expert_m_blocks = 0;
   int expert_rows = 0;
-  // Strip-major order only: the current strip, its first linear index, its tile count and width,
-  // and the m-blocks of all experts together (-1 until counted).
-  int strip = -1;
-  int strip_first = 0;
-  int strip_tiles = 0;
-  int strip_width = 0;
-  int total_m_blocks = -1;
 
   // Counts read per round trip while walking past experts. Why: the walk was one dependent L2 load
   // per expert (~0.5-1 us each), so every role of every block spent ~E_loc round trips finding its
@@ -75,9 +61,6 @@ struct GroupedTileScheduler {
     m_block = within / width;
   }
 
-  // The strip of a tile (strip-major order): the index of the megakernel's per-strip counters.
-  __device__ __forceinline__ static int strip_of(const GemmTile& t) { return kStripN > 0 ? t.n_block / kStripN : 0; }
-
   // Static order: block b takes linear tiles b, b + gridDim.x, ... (the standalone kernels).
   __device__ __forceinline__ bool next(GemmTile& t) {
     next_linear = next_linear < 0 ? int(blockIdx.x) : next_linear + int(gridDim.x);
@@ -93,20 +76,6 @@ struct GroupedTileScheduler {
 
  private:
   __device__ __forceinline__ bool walk(GemmTile& t) {
-    if constexpr (kStripN > 0) {
-      if (total_m_blocks < 0) total_m_blocks = count_m_blocks();
-      while (next_linear >= strip_first + strip_tiles) {
-        strip_first += strip_tiles;
-        if (++strip * kStripN >= n_tiles || total_m_blocks == 0) return false;
-        strip_width = min(kStripN, n_tiles - strip * kStripN);
-        strip_tiles = total_m_blocks * strip_width;
-        // The expert walk restarts at the strip's first tile.
-        expert = -1;
-        expert_first = strip_first;
-        expert_tiles = 0;
-      }
-    }
-    const int width = kStripN > 0 ? strip_width : n_tiles;
     // Why a walk and not a prefix array: a block's tile index only grows, so the walk is
     // amortised O(1) per tile and needs no extra kernel or workspace.
     while (next_linear >= expert_first + expert_tiles) {
@@ -120,29 +89,15 @@ struct GroupedTileScheduler {
         if (++expert >= num_groups) return false;
         expert_rows = c[i];
         expert_m_blocks = (expert_rows + kBlockM - 1) / kBlockM;
-        expert_tiles = expert_m_blocks * width;
+        expert_tiles = expert_m_blocks * n_tiles;
         if (next_linear < expert_first + expert_tiles) break;
       }
     }
     t.expert = expert;
-    locate(next_linear - expert_first, expert_m_blocks, width, t.m_block, t.n_block);
-    if constexpr (kStripN > 0) t.n_block += strip * kStripN;
+    locate(next_linear - expert_first, expert_m_blocks, n_tiles, t.m_block, t.n_block);
     t.row0 = ptx::ld_ca_s32(offset + expert) + t.m_block * kBlockM;
     t.rows_valid = min(kBlockM, expert_rows - t.m_block * kBlockM);
     return true;
-  }
-
-  // Strip-major order: the m-blocks of all experts (every strip has this many tile rows).
-  __device__ __forceinline__ int count_m_blocks() const {
-    int m = 0;
-    for (int e0 = 0; e0 < num_groups; e0 += kCountBatch) {
-      int c[kCountBatch];
-#pragma unroll
-      for (int i = 0; i < kCountBatch; ++i) c[i] = e0 + i < num_groups ? ptx::ld_ca_s32(count + e0 + i) : 0;
-#pragma unroll
-      for (int i = 0; i < kCountBatch; ++i) m += (c[i] + kBlockM - 1) / kBlockM;
-    }
-    return m;
   }
 };
 
