@@ -187,6 +187,34 @@ std::string LayerCase::describe() const {
   return os.str();
 }
 
+// Sets `name` to `value` (nullptr: leaves it alone) until the end of the scope, then restores it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (!value) return;
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+    set_ = true;
+  }
+  ~ScopedEnv() {
+    if (!set_) return;
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false, set_ = false;
+};
+
 Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed) {
   const int R = ctx.size, rank = ctx.rank;
   if (int(c.tokens.size()) != R) return fail("case lists " + std::to_string(c.tokens.size()) + " token counts for " + std::to_string(R) + " ranks");
@@ -197,8 +225,13 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
   std::unique_ptr<MoELayer> layer;
   LayerConfig cfg = make_config(p);
   if (c.bf16_partials) cfg.combine_partials = PartialPrecision::kBFloat16;
-  if (c.fused_epilogue) setenv("EPMOE_FUSED_EPILOGUE", c.fused_epilogue, 1);  // this rank's process only
-  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
+  {
+    // The case's megakernel variant, in this rank's process while the layer reads it at create; then
+    // the environment as it was. Why scoped: set for good, it also forced the variant on every
+    // later case of the process (and overrode an outer EPMOE_FUSED_EPILOGUE for them).
+    ScopedEnv epilogue("EPMOE_FUSED_EPILOGUE", c.fused_epilogue);
+    EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
+  }
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 

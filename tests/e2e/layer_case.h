@@ -39,8 +39,9 @@ struct LayerCase {
   // With path = kFused, on every checked call also: the pipeline on the same inputs must give a
   // bitwise identical y, and a second fused call must too (determinism).
   bool cross_check_paths = true;
-  // The megakernel's epilogue variant, through EPMOE_FUSED_EPILOGUE in this rank's process before
-  // the layer is created: "inline", "deferred", or nullptr for the per-call choice.
+  // The megakernel's epilogue variant, through EPMOE_FUSED_EPILOGUE in this rank's process while
+  // the layer is created (restored afterwards): "inline", "deferred", or nullptr for the per-call
+  // choice (or whatever the environment says).
   const char* fused_epilogue = nullptr;
   std::string describe() const;
 };
