@@ -166,49 +166,33 @@ static_assert(kSliceVecs * 16 == 32 * layout::kScaleGroup, "an FP8 pull slice ho
 // arrive[row / 128], its pool m-block's arrival counter (docs/MEGAKERNEL.md). Why the proxy fence
 // in every lane before the warp barrier and the one release per row: the next reader is the GEMM's
 // TMA (async proxy) on any SM, and each release covers what the whole warp stored.
-// Split in two so that a warp can have the next unit's loads in flight while it stores this one's
-// (dispatch_phases): pull_load issues the metadata, data and scale loads of one unit, pull_store
-// uses them.
-struct PullLoad {
-  SlotMeta m;
-  uint4 buf[kPullVecs];
-  float scale;
-};
-template <bool kFp8>
-__device__ __forceinline__ void pull_load(const DispatchParams& p, const CommSymLayout& sym, int src, int t, int slice,
-                                          PullLoad& l) {
-  const CommShape& s = p.shape;
-  const int K = s.topk, lane = threadIdx.x & 31;
-  const char* peer = p.sym.ptr[src];
-  const int64_t row_bytes = s.x_row_bytes();
-  const int nvec = int(row_bytes / 16), v0 = slice * kSliceVecs;
-  const int G = s.scale_groups();
-  l.m = SlotMeta{-1, 0, 0.f, 0};
-  if (lane < K) l.m = reinterpret_cast<const SlotMeta*>(peer + sym.stage_meta_offset())[int64_t(t) * K + lane];
-  const uint4* from = reinterpret_cast<const uint4*>(peer + sym.stage_x_offset() + int64_t(t) * row_bytes);
-#pragma unroll
-  for (int j = 0; j < kPullVecs; ++j)
-    if (v0 + j * 32 + lane < nvec) l.buf[j] = from[v0 + j * 32 + lane];
-  const float* sc = reinterpret_cast<const float*>(peer + sym.stage_scale_offset()) + int64_t(t) * G;
-  const int g = slice * 32 + lane;  // FP8: this lane's scale group
-  l.scale = 0.f;
-  if (kFp8 && g < G) l.scale = sc[g];
-}
 template <bool kFp8, bool kArrive = false>
-__device__ __forceinline__ void pull_store(const DispatchParams& p, int src, int t, int slice, const PullLoad& l,
-                                           const int* base, int32_t* token_rows, uint32_t* status,
-                                           uint32_t* arrive = nullptr) {
+__device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const CommSymLayout& sym, int src, int t,
+                                                 int slice, const int* base, int32_t* token_rows, uint32_t* status,
+                                                 uint32_t* arrive = nullptr) {
   const CommShape& s = p.shape;
   const int K = s.topk, E_loc = s.experts_per_rank(), lane = threadIdx.x & 31;
   const int e_first = p.rank * E_loc;
+  const char* peer = p.sym.ptr[src];
   const layout::ExpertPoolLayout& pl = p.pool_layout;
   const int64_t row_bytes = s.x_row_bytes();
   const int nvec = int(row_bytes / 16), v0 = slice * kSliceVecs;
   const int G = s.scale_groups();
-  const int g = slice * 32 + lane;  // FP8: this lane's scale group
 
-  const bool local = l.m.expert >= e_first && l.m.expert < e_first + E_loc;
-  int row = local ? base[src * E_loc + (l.m.expert - e_first)] + l.m.pos : -1;
+  SlotMeta m{-1, 0, 0.f, 0};
+  if (lane < K) m = reinterpret_cast<const SlotMeta*>(peer + sym.stage_meta_offset())[int64_t(t) * K + lane];
+  const uint4* from = reinterpret_cast<const uint4*>(peer + sym.stage_x_offset() + int64_t(t) * row_bytes);
+  uint4 buf[kPullVecs];
+#pragma unroll
+  for (int j = 0; j < kPullVecs; ++j)
+    if (v0 + j * 32 + lane < nvec) buf[j] = from[v0 + j * 32 + lane];
+  const float* sc = reinterpret_cast<const float*>(peer + sym.stage_scale_offset()) + int64_t(t) * G;
+  const int g = slice * 32 + lane;  // FP8: this lane's scale group
+  float scale = 0.f;
+  if (kFp8 && g < G) scale = sc[g];
+
+  const bool local = m.expert >= e_first && m.expert < e_first + E_loc;
+  int row = local ? base[src * E_loc + (m.expert - e_first)] + m.pos : -1;
   if (row >= pl.max_rows()) {  // cannot happen with sane counts; never write out of bounds
     red_or_relaxed_gpu(status, kStatusInternal);
     row = -1;
@@ -218,7 +202,7 @@ __device__ __forceinline__ void pull_store(const DispatchParams& p, int src, int
   if (slice == 0) {
     if (lane < K) token_rows[(int64_t(src) * s.max_tokens + t) * K + lane] = row;
     if (row >= 0) {
-      reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[row] = l.m.weight;
+      reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[row] = m.weight;
       reinterpret_cast<uint32_t*>(p.pool + pl.row_source_offset())[row] = layout::RowSource::pack(src, t, lane);
     }
   }
@@ -230,7 +214,7 @@ __device__ __forceinline__ void pull_store(const DispatchParams& p, int src, int
     uint4* to = reinterpret_cast<uint4*>(x_pool + int64_t(r) * row_bytes);
 #pragma unroll
     for (int j = 0; j < kPullVecs; ++j)
-      if (v0 + j * 32 + lane < nvec) to[v0 + j * 32 + lane] = l.buf[j];
+      if (v0 + j * 32 + lane < nvec) to[v0 + j * 32 + lane] = buf[j];
   }
   diag::trace(diag::kDispUnitStored);
   if constexpr (kFp8) {
@@ -238,7 +222,7 @@ __device__ __forceinline__ void pull_store(const DispatchParams& p, int src, int
     // Why every lane in the loop: the shuffle needs the slot lanes active even where g >= G.
     for (unsigned mk = mask; mk; mk &= mk - 1) {
       const int r = __shfl_sync(0xFFFFFFFFu, row, __ffs(mk) - 1);
-      if (g < G) x_scale[int64_t(g) * pl.scale_stride() + r] = l.scale;
+      if (g < G) x_scale[int64_t(g) * pl.scale_stride() + r] = scale;
     }
   }
   if constexpr (kArrive) {

@@ -190,31 +190,10 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
   const int64_t units = int64_t(max_tokens_seen) * R * slices;
   const int64_t first_pull = first_unit<kWarps>(units);
   const bool had_pull = first_pull < units;
-  // Software-pipelined: a warp's next unit is loaded before it stores the current one, so that
-  // each warp has two units' loads in flight where it has more than one unit (larger calls; with
-  // one unit per warp, decode, nothing changes).
-  if (had_pull) {
-    SourceTokenSlice w = source_token_slice(first_pull, slices, R, p.rank);
-    bool have = w.t < tokens_of[w.src];
-    PullLoad cur;
-    if (have) pull_load<kFp8>(p, sym, w.src, w.t, w.slice, cur);
-    for (int64_t u = first_pull;;) {
-      const int64_t un = u + nwarps;
-      SourceTokenSlice wn{0, 0, 0};
-      bool have_n = false;
-      PullLoad nxt;
-      if (un < units) {
-        wn = source_token_slice(un, slices, R, p.rank);
-        have_n = wn.t < tokens_of[wn.src];
-        if (have_n) pull_load<kFp8>(p, sym, wn.src, wn.t, wn.slice, nxt);
-      }
-      if (have) pull_store<kFp8, kMegakernel>(p, w.src, w.t, w.slice, cur, base, token_rows, status, arrive);
-      if (un >= units) break;
-      u = un;
-      w = wn;
-      have = have_n;
-      cur = nxt;
-    }
+  for (int64_t u = first_pull; u < units; u += nwarps) {
+    const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
+    if (w.t < tokens_of[w.src])
+      pull_token_slice<kFp8, kMegakernel>(p, sym, w.src, w.t, w.slice, base, token_rows, status, arrive);
   }
   if (stamps_phase_end(had_pull)) stamp_phase(p.phase_ts, kDispatchPulled);
   diag::trace(diag::kDispPulled);
@@ -228,7 +207,7 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
     write_pool_counts(p, base, seg, counts, sym.counts_stride(), tokens_of);
   // Padding rows of each segment: weight 0 and an invalid source, so nothing reads garbage.
   // Why the clamp: counts from peers that disagree with our pool size must not write past it
-  // (pull_store drops such rows the same way and reports them).
+  // (pull_token_slice drops such rows the same way and reports them).
   const int max_rows = int(pl.max_rows());
   for (int e = int(gridDim.x - 1 - blockIdx.x); e < E_loc; e += int(gridDim.x)) {
     const int end = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e];
