@@ -181,6 +181,14 @@ if [ "$mode" = sanitize ]; then
   filter='*fp8_L2_H384_I640*:*fp8_L1_H384_I640*:*bf16_L2_H384_I640*:GemmPlanLaunch.*:GemmManyTilesPerBlock.*'
   step san_racecheck 150 "$san" --tool racecheck "$bin/epmoe_gpu_tests" --gtest_filter="$filter"
   step san_synccheck 150 "$san" --tool synccheck "$bin/epmoe_gpu_tests" --gtest_filter="$filter"
+  # Both layer paths at R = 1 on the small sanitizer-sized cases (tests/e2e/test_layer.cpp): the
+  # megakernel's smem tile slots, mbarriers and named barriers (racecheck, synccheck) and every
+  # kernel's global accesses (memcheck). One GPU: under the sanitizer a second rank's kernel would
+  # wait on this one's far longer than at full speed.
+  lfilter='LayerE2E*.Small*TwoCalls'
+  EPMOE_TEST_RANKS=1 step san_layer_racecheck 200 "$san" --tool racecheck "$bin/epmoe_mgpu_tests" --gtest_filter="$lfilter"
+  EPMOE_TEST_RANKS=1 step san_layer_synccheck 200 "$san" --tool synccheck "$bin/epmoe_mgpu_tests" --gtest_filter="$lfilter"
+  EPMOE_TEST_RANKS=1 step san_layer_memcheck 200 "$san" --tool memcheck --leak-check no "$bin/epmoe_mgpu_tests" --gtest_filter="$lfilter"
   finish
 fi
 if [ "$mode" = profile-fused ]; then

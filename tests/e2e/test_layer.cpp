@@ -166,6 +166,34 @@ E2E_CASE(ThousandCallsFreshRoutingManyTokens, kBothPaths, 400, {
   c.sample_per_rank = 96;
   return c;
 })
+// Sanitizer-sized (tools/gpu_all.sh sanitize: compute-sanitizer slows every kernel many times, and
+// the kernels' bounded waits must not expire): the small shape with the megakernel's throughput
+// variant and tile claims (640 tokens: 320 rows per expert), its decode variant with claims (8
+// tokens: 4 rows per expert), and a tiny call (1 token: no claims), two calls each.
+E2E_CASE(SmallThroughputTwoCalls, kBothPaths, 240, {
+  LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {640, 512});
+  c.shape = Shape{"small", 8, 512, 256, 4};
+  c.calls = 2;
+  return c;
+})
+E2E_CASE(SmallBf16ThroughputTwoCalls, kBothPaths, 240, {
+  LayerCase c = make(kTop2, DType::kBF16, Routing::kUniform, {512, 640});
+  c.shape = Shape{"small", 8, 512, 256, 4};
+  c.calls = 2;
+  return c;
+})
+E2E_CASE(SmallDecodeTwoCalls, kBothPaths, 240, {
+  LayerCase c = make(kTop2, DType::kFP8, Routing::kUniform, {8, 6});
+  c.shape = Shape{"small", 8, 512, 256, 4};
+  c.calls = 2;
+  return c;
+})
+E2E_CASE(SmallTinyTwoCalls, kBothPaths, 240, {
+  LayerCase c = make(kTop2, DType::kFP8, Routing::kUniform, {1, 2});
+  c.shape = Shape{"small", 8, 512, 256, 4};
+  c.calls = 2;
+  return c;
+})
 E2E_CASE(CudaGraphReplay, kBothPaths, 240, {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {256, 192});
   c.calls = 4;
