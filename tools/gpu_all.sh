@@ -6,7 +6,8 @@
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
 # GEMM on one GPU; diag: decode timing with and without graphs, an nsys trace, clock samples;
-# sanitize: racecheck and synccheck on the GEMM tests that reuse stages; single: everything that
+# sanitize: racecheck and synccheck on the GEMM tests that reuse stages, then racecheck, synccheck
+# and memcheck on both layer paths at R = 1 (small cases); single: everything that
 # runs on one GPU, for the one-GPU kinds; trace: per-block timelines of the comm phases and the
 # megakernel at 0 / 1 / 128 tokens on every local GPU, from the trace build that
 # EPMOE_STAGE_TRACE=1 bash tools/stage_gpu.sh adds as epmoe-bench-trace)
