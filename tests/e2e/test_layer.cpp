@@ -169,7 +169,10 @@ E2E_CASE(ThousandCallsFreshRoutingManyTokens, kBothPaths, 400, {
 // Sanitizer-sized (tools/gpu_all.sh sanitize: compute-sanitizer slows every kernel many times, and
 // the kernels' bounded waits must not expire): the small shape with the megakernel's throughput
 // variant and tile claims (640 tokens: 320 rows per expert), its decode variant with claims (8
-// tokens: 4 rows per expert), and a tiny call (1 token: no claims), two calls each.
+// tokens: 4 rows per expert), and a tiny call (2 tokens: no claims), two calls each. Why not one
+// token: a single FP8 token exceeds SPEC's 1e-2 in about 1% of draws (docs/PERFORMANCE.md,
+// eleventh session), which an added case would only turn into flakes; over two tokens both would
+// have to be far off (rarer; not measured).
 E2E_CASE(SmallThroughputTwoCalls, kBothPaths, 240, {
   LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {640, 512});
   c.shape = Shape{"small", 8, 512, 256, 4};
@@ -189,7 +192,7 @@ E2E_CASE(SmallDecodeTwoCalls, kBothPaths, 240, {
   return c;
 })
 E2E_CASE(SmallTinyTwoCalls, kBothPaths, 240, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kUniform, {1, 2});
+  LayerCase c = make(kTop2, DType::kFP8, Routing::kUniform, {2, 2});
   c.shape = Shape{"small", 8, 512, 256, 4};
   c.calls = 2;
   return c;
