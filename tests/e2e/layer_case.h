@@ -20,6 +20,9 @@ struct Shape {
 inline constexpr Shape kDsv3{"dsv3", 32, 7168, 2048, 8};
 inline constexpr Shape kQwen3{"qwen3", 64, 2048, 768, 8};
 inline constexpr Shape kTop2{"top2", 16, 2048, 2048, 2};
+// Small enough for 1,000-call loops and the sanitizer; 512+ tokens per rank give 256+ rows per
+// expert (the megakernel's throughput variant).
+inline constexpr Shape kSmall{"small", 8, 512, 256, 4};
 
 struct LayerCase {
   Shape shape = kQwen3;

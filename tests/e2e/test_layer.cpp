@@ -149,8 +149,7 @@ E2E_CASE(Dsv3Fp8ManyTokens, kBothPaths, 240, {
 
 // ---- Repetition and graphs ----------------------------------------------------------------------
 E2E_CASE(ThousandCallsFreshRouting, kBothPaths, 400, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {96, 64});
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {96, 64});
   c.calls = 1000;
   c.check_every = 100;
   c.sample_per_rank = 96;
@@ -159,8 +158,7 @@ E2E_CASE(ThousandCallsFreshRouting, kBothPaths, 400, {
 // The same with enough tokens that the fused path picks its throughput variant (small shape:
 // 8 experts per rank, K = 4, so 512+ tokens per rank average 256+ rows per expert).
 E2E_CASE(ThousandCallsFreshRoutingManyTokens, kBothPaths, 400, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {640, 512});
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {640, 512});
   c.calls = 1000;
   c.check_every = 100;
   c.sample_per_rank = 96;
@@ -174,26 +172,22 @@ E2E_CASE(ThousandCallsFreshRoutingManyTokens, kBothPaths, 400, {
 // eleventh session), which an added case would only turn into flakes; over two tokens both would
 // have to be far off (rarer; not measured).
 E2E_CASE(SmallThroughputTwoCalls, kBothPaths, 240, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kZipf, {640, 512});
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {640, 512});
   c.calls = 2;
   return c;
 })
 E2E_CASE(SmallBf16ThroughputTwoCalls, kBothPaths, 240, {
-  LayerCase c = make(kTop2, DType::kBF16, Routing::kUniform, {512, 640});
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = make(kSmall, DType::kBF16, Routing::kUniform, {512, 640});
   c.calls = 2;
   return c;
 })
 E2E_CASE(SmallDecodeTwoCalls, kBothPaths, 240, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kUniform, {8, 6});
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = make(kSmall, DType::kFP8, Routing::kUniform, {8, 6});
   c.calls = 2;
   return c;
 })
 E2E_CASE(SmallTinyTwoCalls, kBothPaths, 240, {
-  LayerCase c = make(kTop2, DType::kFP8, Routing::kUniform, {2, 2});
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = make(kSmall, DType::kFP8, Routing::kUniform, {2, 2});
   c.calls = 2;
   return c;
 })
@@ -209,8 +203,7 @@ E2E_CASE(CudaGraphReplay, kBothPaths, 240, {
 // GPU run can leave it out (tools/gpu_all.sh runs it in full mode).
 TEST(LayerSoak, FusedTenThousandCallsFreshRouting) {
   EPMOE_REQUIRE_RANKS(test_ranks(2));
-  LayerCase c = fused(make(kTop2, DType::kFP8, Routing::kZipf, {96, 64}));
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = fused(make(kSmall, DType::kFP8, Routing::kZipf, {96, 64}));
   c.calls = 10000;
   c.check_every = 2000;
   c.sample_per_rank = 64;
@@ -221,8 +214,7 @@ TEST(LayerSoak, FusedTenThousandCallsFreshRouting) {
 // pool, so a fused call right after a pipeline call (and back) must see consistent state.
 TEST(LayerE2EFused, AlternatingPaths) {
   EPMOE_REQUIRE_RANKS(test_ranks(2));
-  LayerCase c = fused(make(kTop2, DType::kFP8, Routing::kUniform, {200, 150}));
-  c.shape = Shape{"small", 8, 512, 256, 4};
+  LayerCase c = fused(make(kSmall, DType::kFP8, Routing::kUniform, {200, 150}));
   c.calls = 6;
   c.check_every = 1;  // every call: fused, then pipeline and fused again inside the check
   run_case(c);
