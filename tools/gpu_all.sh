@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|ab|diag|sanitize|ranks|trace]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -10,7 +10,9 @@
 # and memcheck on both layer paths at R = 1 (small cases); single: everything that
 # runs on one GPU, for the one-GPU kinds; trace: per-block timelines of the comm phases and the
 # megakernel at 0 / 1 / 128 tokens on every local GPU, from the trace build that
-# EPMOE_STAGE_TRACE=1 bash tools/stage_gpu.sh adds as epmoe-bench-trace)
+# EPMOE_STAGE_TRACE=1 bash tools/stage_gpu.sh adds as epmoe-bench-trace; probe: the wgmma
+# structure probe twice, then ncu's shared-memory traffic of its fed and unfed variants and of the
+# FP8 L2 and L1 GEMM kernels at (8, 4096, 4096, 7168), docs/GEMM.md note 32)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -219,6 +221,29 @@ if [ "$mode" = profile-fused ]; then
         "$bin/epmoe-bench" layer --ranks 1 --path "$path" --tokens "$T" --graph 0 --iters 2 --warmup 1 --sets 1
       ncu_export "ncu_r1_${name}_$T"
     done
+  done
+  finish
+fi
+if [ "$mode" = probe ]; then
+  step wgmma_probe_1 120 "$bin/epmoe-wgmma-probe" 4000
+  step wgmma_probe_2 120 "$bin/epmoe-wgmma-probe" 4000
+  # Shared-memory traffic against tensor use (docs/GEMM.md note 32): wgmma operand reads (LSU
+  # wavefronts of op gmma, 128 B each), TMA fills (xbar2l1tex bytes), both as % of their peaks.
+  m=sm__cycles_elapsed.max,sm__cycles_elapsed.avg.per_second
+  m+=,sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+  m+=,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__sass_data_bytes_mem_shared_op_gmma.sum
+  m+=,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum
+  m+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed
+  m+=,l1tex__m_xbar2l1tex_read_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum.pct_of_peak_sustained_elapsed
+  m+=,lts__t_bytes.sum.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed
+  for v in 0 9 10 12 13 14; do
+    step "ncu_probe_v$v" 120 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
+      -k "regex:ILi${v}EE" -c 1 --metrics "$m" "$bin/epmoe-wgmma-probe" 1000
+  done
+  for kernel in E1 E3; do
+    step "ncu_smem_fp8_$kernel" 200 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
+      -k "regex:ILb1ELNS0_12Sm90Epilogue${kernel}E" -c 1 --launch-skip 3 --metrics "$m" \
+      "$bin/epmoe-bench" gemm --quick --dtype fp8 --iters 1
   done
   finish
 fi

@@ -22,6 +22,11 @@
 //  10 regA+feed  : variant 9 with A in registers: each warp ldmatrix-loads its 16 x 128 A slice
 //                  once per K block and both N halves use it (half the A reads from smem)
 //  11 regA       : variant 10 without the feed
+//  12 3wg n128     : three math warpgroups (512 threads; producer 24 registers, math 160), each
+//                  64x128 (a 192x128 tile), 4 x m64n128k32 -> scratch, wait 0, promote
+//  13 3wg n128+feed: variant 12 fed like variant 9 (5 stages of 40.75 KB: A 24 KB + B 16 KB + scales)
+//  14 n128 dbuf+feed: variant 2 (two warpgroups of 64x128, two scratches) fed like variant 9
+//                  (6 stages of 32.5 KB), each stage released after its K block's wait
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -350,6 +355,165 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
   if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + mw] = t1 - t0;
 }
 
+
+// Variants 12-14: a feed and stage ring of their own (kSt stages of a kA + kB + scales layout).
+// kWgs math warpgroups of 64 rows each, all reading the same 128-row B tile.
+template <int V>
+struct Ring {
+  static constexpr int kWgs = V == 14 ? 2 : 3;
+  static constexpr int kA = kWgs * 64 * 128;
+  static constexpr int kB = 128 * 128;
+  static constexpr int kStage = kA + kB + 4 * kWgs * 64;
+  static constexpr int kSt = V == 14 ? 6 : 5;
+  static constexpr int kSmem = kSt * kStage + 2 * kSt * 8 + 1024;
+  static constexpr int kThreads = 128 * (kWgs + 1);
+  static constexpr bool kFeed = V != 12;
+};
+
+template <int V>
+__global__ void __launch_bounds__(Ring<V>::kThreads, 1) probe_ring_kernel(int k_blocks, float* out, long long* cycles,
+                                                                         const uint8_t* feed_src) {
+  using G = Ring<V>;
+  extern __shared__ uint8_t raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  for (int i = threadIdx.x; i < G::kSt * G::kStage / 4; i += blockDim.x) {
+    const uint32_t b = (i * 2654435761u) >> 8;
+    reinterpret_cast<uint32_t*>(smem)[i] = b & 0x2F2F2F2Fu;
+  }
+  __syncthreads();
+  for (int s = 0; s < G::kSt; ++s) {
+    float* sa = reinterpret_cast<float*>(smem + s * G::kStage + G::kA + G::kB);
+    for (int i = threadIdx.x; i < G::kWgs * 64; i += blockDim.x) sa[i] = 1.0f + 1e-3f * (i % 128);
+  }
+  const uint32_t bars = smem_u32(smem + G::kSt * G::kStage);  // full[kSt], empty[kSt]
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < G::kSt; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bars + 8 * s), "r"(1));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bars + 8 * (G::kSt + s)), "r"(4 * G::kWgs));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    if constexpr (G::kWgs == 3)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    else
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (G::kFeed && threadIdx.x == 0) {
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % G::kSt, round = kb / G::kSt;
+        if (round > 0) wait_parity(bars + 8 * (G::kSt + s), uint32_t(round - 1) & 1u);
+        asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bars + 8 * s),
+                     "r"(G::kStage)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                smem_u32(smem + s * G::kStage)),
+            "l"(feed_src + size_t(kb % kFeedBuffers) * G::kStage), "r"(G::kStage), "r"(bars + 8 * s)
+            : "memory");
+      }
+    }
+    return;
+  }
+  if constexpr (G::kWgs == 3)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;");
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int mw = wg - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int r0 = mw * 64 + warp * 16 + lane / 4;
+  const float sb = 0.5f;
+  float result = 0.0f;
+  auto release = [&](int kb) {
+    if constexpr (G::kFeed) {
+      __syncwarp();
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bars + 8 * (G::kSt + kb % G::kSt))
+                     : "memory");
+    }
+  };
+  auto acquire = [&](int kb) {
+    if constexpr (G::kFeed) wait_parity(bars + 8 * (kb % G::kSt), uint32_t(kb / G::kSt) & 1u);
+  };
+  auto scales = [&](int kb, float& s0, float& s1) {
+    const float* sa = reinterpret_cast<const float*>(smem + (kb % G::kSt) * G::kStage + G::kA + G::kB);
+    s0 = sa[r0] * sb;
+    s1 = sa[r0 + 8] * sb;
+  };
+  const long long t0 = clock64();
+  if constexpr (V == 12 || V == 13) {
+    float acc[64], tmp[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      acquire(kb);
+      uint8_t* st = smem + (kb % G::kSt) * G::kStage;
+      float s0, s1;
+      scales(kb, s0, s1);
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + G::kA);
+      fence_regs(tmp);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(tmp);
+      release(kb);
+      promote<64>(acc, tmp, s0, s1);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) result += acc[i];
+  } else {
+    float acc[64], t0r[64], t1r[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    const uint32_t first_scale_d = static_cast<uint32_t>(k_blocks) >> 31;
+    auto issue = [&](float (&t)[64], int kb) {
+      acquire(kb);
+      uint8_t* st = smem + (kb % G::kSt) * G::kStage;
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + G::kA);
+      fence_regs(t);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(t, da + 2 * k, db + 2 * k, k > 0 ? 1u : first_scale_d);
+      wg_commit();
+    };
+    for (int kb = 0; kb < k_blocks; kb += 4) {  // k_blocks a multiple of 4
+      float s0, s1;
+      issue(t0r, kb);
+      issue(t1r, kb + 1);
+      scales(kb, s0, s1);
+      wg_wait<1>();
+      fence_regs(t0r);
+      release(kb);
+      promote<64>(acc, t0r, s0, s1);
+      issue(t0r, kb + 2);
+      scales(kb + 1, s0, s1);
+      wg_wait<1>();
+      fence_regs(t1r);
+      release(kb + 1);
+      promote<64>(acc, t1r, s0, s1);
+      issue(t1r, kb + 3);
+      scales(kb + 2, s0, s1);
+      wg_wait<1>();
+      fence_regs(t0r);
+      release(kb + 2);
+      promote<64>(acc, t0r, s0, s1);
+      scales(kb + 3, s0, s1);
+      wg_wait<0>();
+      fence_regs(t1r);
+      release(kb + 3);
+      promote<64>(acc, t1r, s0, s1);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) result += acc[i];
+  }
+  const long long t1 = clock64();
+  out[blockIdx.x * 512 + threadIdx.x] = result;
+  if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 3 + mw] = t1 - t0;
+}
+
 // FLOPs per K block of one math warpgroup.
 constexpr double flops_per_kb(int v) {
   return v == 2 || v == 3 || v == 7 ? 2.0 * 64 * 128 * 128 : v == 4 ? 2.0 * 64 * 192 * 128 : 2.0 * 64 * 256 * 128;
@@ -399,6 +563,41 @@ void run_variant(const char* name, int k_blocks, int sms, float* out, long long*
   CK(cudaEventDestroy(b));
 }
 
+
+template <int V>
+void run_ring_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
+  using G = Ring<V>;
+  CK(cudaFuncSetAttribute(probe_ring_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmem));
+  CK(cudaMemset(cycles, 0, sizeof(long long) * 3 * sms));
+  probe_ring_kernel<V><<<sms, G::kThreads, G::kSmem>>>(k_blocks, out, cycles, feed);  // warm-up
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  float best = 1e30f;
+  for (int rep = 0; rep < 5; ++rep) {
+    CK(cudaEventRecord(a));
+    probe_ring_kernel<V><<<sms, G::kThreads, G::kSmem>>>(k_blocks, out, cycles, feed);
+    CK(cudaGetLastError());
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    if (ms < best) best = ms;
+  }
+  std::vector<long long> host_cycles(3 * sms);
+  CK(cudaMemcpy(host_cycles.data(), cycles, sizeof(long long) * 3 * sms, cudaMemcpyDeviceToHost));
+  long long cmax = 0;
+  for (long long c : host_cycles) cmax = c > cmax ? c : cmax;
+  const double flops = 2.0 * 64 * 128 * 128 * double(k_blocks) * G::kWgs * sms;
+  const double per_clk = flops / sms / cmax;
+  std::printf("%d %-14s %8.3f ms %8.1f TFLOP/s  %6.0f FLOP/clk/SM  %5.1f%% of 8192  (~%.2f GHz)\n", V, name, best,
+              flops / best / 1e9, per_clk, 100.0 * per_clk / 8192, cmax / (best * 1e6));
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+}
+
 }  // namespace probe
 
 int main(int argc, char** argv) {
@@ -409,8 +608,8 @@ int main(int argc, char** argv) {
   if (sms > 132) sms = 132;
   float* out;
   long long* cycles;
-  CK(cudaMalloc(&out, sizeof(float) * 384 * sms));
-  CK(cudaMalloc(&cycles, sizeof(long long) * 2 * sms));
+  CK(cudaMalloc(&out, sizeof(float) * 512 * sms));
+  CK(cudaMalloc(&cycles, sizeof(long long) * 3 * sms));
   // The feed's source stages: small finite e4m3 codes like the smem fill, scales near 1.
   uint8_t* feed;
   CK(cudaMalloc(&feed, size_t(kFeedBuffers) * kStageBytes));
@@ -440,5 +639,12 @@ int main(int argc, char** argv) {
   run_variant<0>("halves", k_blocks, sms, out, cycles, feed);
   run_variant<9>("halves+feed", k_blocks, sms, out, cycles, feed);
   run_variant<10>("regA+feed", k_blocks, sms, out, cycles, feed);
+  run_ring_variant<12>("3wg n128", k_blocks, sms, out, cycles, feed);
+  run_ring_variant<13>("3wg n128+feed", k_blocks, sms, out, cycles, feed);
+  run_ring_variant<14>("n128 dbuf+feed", k_blocks, sms, out, cycles, feed);
+  run_variant<9>("halves+feed", k_blocks, sms, out, cycles, feed);
+  run_ring_variant<12>("3wg n128", k_blocks, sms, out, cycles, feed);
+  run_ring_variant<13>("3wg n128+feed", k_blocks, sms, out, cycles, feed);
+  run_ring_variant<14>("n128 dbuf+feed", k_blocks, sms, out, cycles, feed);
   return 0;
 }
