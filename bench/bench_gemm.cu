@@ -4,6 +4,7 @@
 //   BF16: ours vs cublasGemmGroupedBatchedEx.
 // Also the L1 kernel (same GEMM with the SwiGLU/requant epilogue, weight rows = N).
 // Flags: --dtype fp8|bf16|both  --iters N  --quick (first two shapes only)
+//        --shape G,M,N,K (repeatable: G groups of M rows each, instead of the built-in list)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -340,14 +341,32 @@ int run_gemm(const std::vector<std::string>& args) {
   std::string dtype = "both";
   int iters = 10;
   bool quick = false;
+  std::vector<Shape> custom;
+  const char* usage = "usage: epmoe-bench gemm [--dtype fp8|bf16|both] [--iters N] [--quick] [--shape G,M,N,K ...]\n";
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--dtype" && i + 1 < args.size()) dtype = args[++i];
     else if (args[i] == "--iters" && i + 1 < args.size()) iters = std::atoi(args[++i].c_str());
     else if (args[i] == "--quick") quick = true;
-    else {
-      std::fprintf(stderr, "usage: epmoe-bench gemm [--dtype fp8|bf16|both] [--iters N] [--quick]\n");
+    else if (args[i] == "--shape" && i + 1 < args.size()) {
+      const std::string v = args[++i];
+      int g = 0, m = 0, n = 0, k = 0;
+      char tail = 0;
+      // Why these limits: the kernels need N and K in multiples of 128 (gemm::validate_shape), and
+      // the benchmark allocates every group's rows at once.
+      if (std::sscanf(v.c_str(), "%d,%d,%d,%d%c", &g, &m, &n, &k, &tail) != 4 || g < 1 || g > 1024 || m < 0 ||
+          m > 65536 || n < 128 || n % 128 != 0 || k < 128 || k % 128 != 0) {
+        std::fprintf(stderr, "epmoe-bench gemm: bad --shape '%s' (want G,M,N,K: G in [1, 1024], M in [0, 65536], N and K positive multiples of 128)\n", v.c_str());
+        return 2;
+      }
+      custom.push_back({"(" + v + ")", std::vector<int>(g, m), n, k});
+    } else {
+      std::fprintf(stderr, "%s", usage);
       return 2;
     }
+  }
+  if (iters < 1) {
+    std::fprintf(stderr, "epmoe-bench gemm: --iters must be >= 1\n%s", usage);
+    return 2;
   }
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
@@ -366,6 +385,7 @@ int run_gemm(const std::vector<std::string>& args) {
       {"zipf(32,~256,4096,7168)", zipf_rows(32, 32 * 256, 1.1), 4096, 7168},
   };
   if (quick) shapes.resize(2);
+  if (!custom.empty()) shapes = custom;
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("epmoe-bench gemm on %s (%d SMs); median of 5 x %d calls, the kernels of a shape timed in turns\n",
