@@ -97,6 +97,44 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "memory");
 }
 
+// The two-scratch (dbuf) loop of variants 2, 3 and 14: the next K block's wgmma runs while the
+// previous one is promoted. issue(t, kb) starts K block kb's batch into scratch t; scales(kb, s0,
+// s1) reads its activation scales; release(kb) hands its stage back (a no-op without a feed).
+// Why chunks of 4 K blocks that end drained: ptxas (13.0) tracks partial waits only in
+// straight-line code; a wgmma group still in flight at a loop back edge whose sibling scratch is
+// read in the loop makes it serialize every wgmma (C7514).
+template <class Issue, class Scales, class Release>
+__device__ __forceinline__ void dbuf_loop(float (&acc)[64], float (&t0r)[64], float (&t1r)[64], int k_blocks,
+                                          Issue&& issue, Scales&& scales, Release&& release) {
+  for (int kb = 0; kb < k_blocks; kb += 4) {  // k_blocks a multiple of 4
+    float s0, s1;
+    issue(t0r, kb);
+    issue(t1r, kb + 1);
+    scales(kb, s0, s1);
+    wg_wait<1>();
+    fence_regs(t0r);
+    release(kb);
+    promote<64>(acc, t0r, s0, s1);
+    issue(t0r, kb + 2);
+    scales(kb + 1, s0, s1);
+    wg_wait<1>();
+    fence_regs(t1r);
+    release(kb + 1);
+    promote<64>(acc, t1r, s0, s1);
+    issue(t1r, kb + 3);
+    scales(kb + 2, s0, s1);
+    wg_wait<1>();
+    fence_regs(t0r);
+    release(kb + 2);
+    promote<64>(acc, t0r, s0, s1);
+    scales(kb + 3, s0, s1);
+    wg_wait<0>();
+    fence_regs(t1r);
+    release(kb + 3);
+    promote<64>(acc, t1r, s0, s1);
+  }
+}
+
 template <int V>
 __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out, long long* cycles,
                                                        const uint8_t* feed_src) {
@@ -226,32 +264,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
       s0 = sa[r0] * sb;
       s1 = sa[r0 + 8] * sb;
     };
-    // Why chunks of 4 K blocks that end drained: ptxas (13.0) tracks partial waits only in
-    // straight-line code; a wgmma group still in flight at a loop back edge whose sibling
-    // scratch is read in the loop makes it serialize every wgmma (C7514).
-    for (int kb = 0; kb < k_blocks; kb += 4) {  // k_blocks a multiple of 4
-      float s0, s1;
-      issue(t0r, kb);
-      issue(t1r, kb + 1);
-      scales(kb, s0, s1);
-      wg_wait<1>();
-      fence_regs(t0r);
-      promote<64>(acc, t0r, s0, s1);
-      issue(t0r, kb + 2);
-      scales(kb + 1, s0, s1);
-      wg_wait<1>();
-      fence_regs(t1r);
-      promote<64>(acc, t1r, s0, s1);
-      issue(t1r, kb + 3);
-      scales(kb + 2, s0, s1);
-      wg_wait<1>();
-      fence_regs(t0r);
-      promote<64>(acc, t0r, s0, s1);
-      scales(kb + 3, s0, s1);
-      wg_wait<0>();
-      fence_regs(t1r);
-      promote<64>(acc, t1r, s0, s1);
-    }
+    dbuf_loop(acc, t0r, t1r, k_blocks, issue, scales, [](int) {});
 #pragma unroll
     for (int i = 0; i < 64; ++i) result += acc[i];
   } else if constexpr (V == 4) {
@@ -479,33 +492,7 @@ __global__ void __launch_bounds__(Ring<V>::kThreads, 1) probe_ring_kernel(int k_
       for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(t, da + 2 * k, db + 2 * k, k > 0 ? 1u : first_scale_d);
       wg_commit();
     };
-    for (int kb = 0; kb < k_blocks; kb += 4) {  // k_blocks a multiple of 4
-      float s0, s1;
-      issue(t0r, kb);
-      issue(t1r, kb + 1);
-      scales(kb, s0, s1);
-      wg_wait<1>();
-      fence_regs(t0r);
-      release(kb);
-      promote<64>(acc, t0r, s0, s1);
-      issue(t0r, kb + 2);
-      scales(kb + 1, s0, s1);
-      wg_wait<1>();
-      fence_regs(t1r);
-      release(kb + 1);
-      promote<64>(acc, t1r, s0, s1);
-      issue(t1r, kb + 3);
-      scales(kb + 2, s0, s1);
-      wg_wait<1>();
-      fence_regs(t0r);
-      release(kb + 2);
-      promote<64>(acc, t0r, s0, s1);
-      scales(kb + 3, s0, s1);
-      wg_wait<0>();
-      fence_regs(t1r);
-      release(kb + 3);
-      promote<64>(acc, t1r, s0, s1);
-    }
+    dbuf_loop(acc, t0r, t1r, k_blocks, issue, scales, release);
 #pragma unroll
     for (int i = 0; i < 64; ++i) result += acc[i];
   }
@@ -528,10 +515,13 @@ constexpr double flops_per_kb(int v) {
     }                                                                                             \
   } while (0)
 
-template <int V>
-void run_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
-  CK(cudaFuncSetAttribute(probe_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles, feed);  // warm-up
+// One warm-up launch, then the best of 5 timed launches; FLOP per SM clock from the busiest math
+// warpgroup's cycles (the `slots` per-warpgroup counters, zeroed first so that a warpgroup that
+// does not run cannot leave an earlier variant's count behind).
+template <class Launch>
+void time_and_report(int v, const char* name, int sms, int slots, double flops, long long* cycles, Launch&& launch) {
+  CK(cudaMemset(cycles, 0, sizeof(long long) * slots));
+  launch();  // warm-up
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   cudaEvent_t a, b;
@@ -540,7 +530,7 @@ void run_variant(const char* name, int k_blocks, int sms, float* out, long long*
   float best = 1e30f;
   for (int rep = 0; rep < 5; ++rep) {
     CK(cudaEventRecord(a));
-    probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles, feed);
+    launch();
     CK(cudaGetLastError());
     CK(cudaEventRecord(b));
     CK(cudaEventSynchronize(b));
@@ -548,54 +538,32 @@ void run_variant(const char* name, int k_blocks, int sms, float* out, long long*
     CK(cudaEventElapsedTime(&ms, a, b));
     if (ms < best) best = ms;
   }
-  long long host_cycles[2 * 132] = {};
-  CK(cudaMemcpy(host_cycles, cycles, sizeof(long long) * 2 * sms, cudaMemcpyDeviceToHost));
+  std::vector<long long> host_cycles(slots);
+  CK(cudaMemcpy(host_cycles.data(), cycles, sizeof(long long) * slots, cudaMemcpyDeviceToHost));
   long long cmax = 0;
-  for (int i = 0; i < 2 * sms; ++i) cmax = host_cycles[i] > cmax ? host_cycles[i] : cmax;
-  const int wgs = (V == 1 || V == 3) ? 1 : 2;
-  const double flops = flops_per_kb(V) * k_blocks * wgs * sms;
-  const double ghz = cmax / (best * 1e6);
+  for (long long c : host_cycles) cmax = c > cmax ? c : cmax;
   // Per SM per clock: dense e4m3 peak is 8192 FLOP/clk (4 tensor cores x 2048).
   const double per_clk = flops / sms / cmax;
-  std::printf("%d %-14s %8.3f ms %8.1f TFLOP/s  %6.0f FLOP/clk/SM  %5.1f%% of 8192  (~%.2f GHz)\n", V, name, best,
-              flops / best / 1e9, per_clk, 100.0 * per_clk / 8192, ghz);
+  std::printf("%d %-14s %8.3f ms %8.1f TFLOP/s  %6.0f FLOP/clk/SM  %5.1f%% of 8192  (~%.2f GHz)\n", v, name, best,
+              flops / best / 1e9, per_clk, 100.0 * per_clk / 8192, cmax / (best * 1e6));
   CK(cudaEventDestroy(a));
   CK(cudaEventDestroy(b));
 }
 
+template <int V>
+void run_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
+  CK(cudaFuncSetAttribute(probe_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const int wgs = (V == 1 || V == 3) ? 1 : 2;
+  time_and_report(V, name, sms, 2 * sms, flops_per_kb(V) * k_blocks * wgs * sms, cycles,
+                  [&] { probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles, feed); });
+}
 
 template <int V>
 void run_ring_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
   using G = Ring<V>;
   CK(cudaFuncSetAttribute(probe_ring_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmem));
-  CK(cudaMemset(cycles, 0, sizeof(long long) * 3 * sms));
-  probe_ring_kernel<V><<<sms, G::kThreads, G::kSmem>>>(k_blocks, out, cycles, feed);  // warm-up
-  CK(cudaGetLastError());
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  float best = 1e30f;
-  for (int rep = 0; rep < 5; ++rep) {
-    CK(cudaEventRecord(a));
-    probe_ring_kernel<V><<<sms, G::kThreads, G::kSmem>>>(k_blocks, out, cycles, feed);
-    CK(cudaGetLastError());
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (ms < best) best = ms;
-  }
-  std::vector<long long> host_cycles(3 * sms);
-  CK(cudaMemcpy(host_cycles.data(), cycles, sizeof(long long) * 3 * sms, cudaMemcpyDeviceToHost));
-  long long cmax = 0;
-  for (long long c : host_cycles) cmax = c > cmax ? c : cmax;
-  const double flops = 2.0 * 64 * 128 * 128 * double(k_blocks) * G::kWgs * sms;
-  const double per_clk = flops / sms / cmax;
-  std::printf("%d %-14s %8.3f ms %8.1f TFLOP/s  %6.0f FLOP/clk/SM  %5.1f%% of 8192  (~%.2f GHz)\n", V, name, best,
-              flops / best / 1e9, per_clk, 100.0 * per_clk / 8192, cmax / (best * 1e6));
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
+  time_and_report(V, name, sms, 3 * sms, 2.0 * 64 * 128 * 128 * double(k_blocks) * G::kWgs * sms, cycles,
+                  [&] { probe_ring_kernel<V><<<sms, G::kThreads, G::kSmem>>>(k_blocks, out, cycles, feed); });
 }
 
 }  // namespace probe
