@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -32,6 +33,7 @@ struct Case {
   float clamp = 0.0f;
   bool pow2 = false;
   bool exact = false;  // small-integer operands: the fp32 GEMM is exact, the epilogue must match ~bit for bit
+  gemm::L2Tile tile = gemm::L2Tile::kAuto;  // L2: the FP8 kernel's tile width
 };
 
 template <class T>
@@ -205,7 +207,7 @@ void run_case(const Case& c, uint64_t seed) {
     EPMOE_OK(gemm::prepare_w2(c.dtype, d_w.ptr, fp8 ? d_ws.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr, G,
                               c.hidden, c.inter, stream));
     EPMOE_OK(gemm::l2(c.dtype, args, d_a.ptr, fp8 ? d_as.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr,
-                      c.inter, c.hidden, d_out.ptr, stream));
+                      c.inter, c.hidden, d_out.ptr, stream, c.tile));
   }
   EPMOE_CUDA_OK(cudaStreamSynchronize(stream));
   EPMOE_CUDA_OK(cudaGetLastError());
@@ -255,7 +257,17 @@ void run_case(const Case& c, uint64_t seed) {
         // Exact operands: only the epilogue's approximate silu (a few ulps) may differ. Random: the FP8 tensor-core
         // partial sums carry ~2^-13 relative error before promotion, so amax moves by ~1e-4.
         const double tol = c.exact ? 1e-6 : 2e-3;
-        if (!(std::fabs(s - s_ref[g]) <= tol * s_ref[g])) {
+        // Power-of-two scales with random operands: when amax / 448 lies within that error of a power
+        // of two, the GPU's amax may round up to the power below the reference's (seen: 2^-15 against
+        // 2^-14). Accepted only there, and only one power apart.
+        bool at_boundary = false;
+        if (c.pow2 && !c.exact) {
+          float amax = 0.0f;
+          for (int i = g * 128; i < g * 128 + 128; ++i) amax = std::max(amax, std::fabs(a_ref[i]));
+          const double raw = std::max(double(amax), 1e-4) / 448.0;
+          at_boundary = double(s) == 0.5 * double(s_ref[g]) && raw <= (1.0 + tol) * double(s);
+        }
+        if (!(std::fabs(s - s_ref[g]) <= tol * s_ref[g]) && !at_boundary) {
           if (scale_bad++ < 5)
             ADD_FAILURE() << "row " << r << " group " << g << ": scale " << s << " vs reference " << s_ref[g];
         }
@@ -331,6 +343,23 @@ INSTANTIATE_TEST_SUITE_P(
              "_H" + std::to_string(std::get<2>(info.param)) + "_I" + std::to_string(std::get<3>(info.param));
     });
 
+// The FP8 L2 kernel on 128-column tiles (two scratch accumulators, 6 stages) and on 256-column
+// ones, explicitly: N = 128 (one tile), 384 (three), 7168 (56); K = 128 (one K block), 640 (a
+// chunk of four plus one), 768 (four plus two), 2048 (four chunks). Exact operands too.
+TEST(GemmL2Tiles, Fp8BothTileWidths) {
+  EPMOE_REQUIRE_GPUS(1);
+  const struct { int hidden, inter; } shapes[] = {{128, 128}, {384, 640}, {384, 768}, {7168, 2048}};
+  for (gemm::L2Tile tile : {gemm::L2Tile::kN128, gemm::L2Tile::kN256})
+    for (const auto& sh : shapes)
+      for (bool exact : {false, true}) {
+        Case c{DType::kFP8, false, edge_counts(DType::kFP8), sh.hidden, sh.inter};
+        if (sh.hidden == 7168) c.counts = {0, 1, 129, 256};
+        c.exact = exact;
+        c.tile = tile;
+        run_case(c, fresh_seed());
+      }
+}
+
 TEST(GemmL1Epilogue, Fp8ExactClampPow2) {
   EPMOE_REQUIRE_GPUS(1);
   for (bool pow2 : {false, true})
@@ -372,6 +401,10 @@ TEST(GemmManyTilesPerBlock, DeferredAndPartialTilesMix) {
   const std::vector<int> counts = {24 * 128, 3 * 128 + 3, 0, 130, 5 * 128 + 127, 1};
   for (DType d : {DType::kFP8, DType::kBF16})
     for (bool l1 : {false, true}) run_case(Case{d, l1, counts, 1024, 640}, fresh_seed());
+  // 128-column FP8 L2 tiles: twice the tiles per block, the kept stage moving around a 6-stage ring.
+  Case c{DType::kFP8, false, counts, 1024, 640};
+  c.tile = gemm::L2Tile::kN128;
+  run_case(c, fresh_seed());
 }
 
 // The layer's use of a plan: built once, launched on several calls whose expert counts change on
@@ -438,6 +471,13 @@ TEST(GemmValidation, RejectsBadShapes) {
   EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_FALSE(gemm::validate_shape(DType::kFP8, 7168, 100).ok());
   EXPECT_TRUE(gemm::validate_shape(DType::kFP8, 7168, 2048).ok());
+  // A bad EPMOE_L2_TILE_N is an error before any CUDA call (valid arguments otherwise).
+  args.scale_stride = 128;
+  ::setenv("EPMOE_L2_TILE_N", "64", 1);
+  st = gemm::l2(DType::kFP8, args, p, fp, p, fp, 128, 256, const_cast<void*>(p), nullptr);
+  ::unsetenv("EPMOE_L2_TILE_N");
+  EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.to_string().find("EPMOE_L2_TILE_N"), std::string::npos) << st.to_string();
 }
 
 }  // namespace

@@ -11,7 +11,9 @@
 
 namespace epmoe::gemm::detail {
 
-enum class GemmStage { kL1, kL2 };
+// kL2N128: the FP8 L2 kernel on 128-column tiles (docs/GEMM.md note 33; FP8 only, its B map has
+// 128-row boxes).
+enum class GemmStage { kL1, kL2, kL2N128 };
 
 // Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and
 // checks that one block fits on an SM. Once per kernel and device (later calls return the first
