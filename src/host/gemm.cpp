@@ -263,6 +263,7 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
   p.b_scale = fp8 ? w2_scale : nullptr;
   p.out = o;
   p.out_ld = hidden;
+  if (!fp8 && tile == L2Tile::kN128) return invalid("gemm::l2: 128-column tiles exist for FP8 only");
   bool n128 = false;
   EPMOE_RETURN_IF_ERROR(resolve_l2_tile(tile, &n128));
   return build_plan(fp8, fp8 && n128 ? GemmStage::kL2N128 : GemmStage::kL2, g, a, w2, hidden, inter, p, out);
@@ -296,9 +297,5 @@ Status l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale
   return launch(plan, stream);
 }
 
-Status l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale, const void* w2,
-          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream) {
-  return l2(dtype, g, a, a_scale, w2, w2_scale, inter, hidden, o, stream, L2Tile::kAuto);
-}
 
 }  // namespace epmoe::gemm

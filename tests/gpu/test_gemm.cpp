@@ -478,6 +478,10 @@ TEST(GemmValidation, RejectsBadShapes) {
   ::unsetenv("EPMOE_L2_TILE_N");
   EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.to_string().find("EPMOE_L2_TILE_N"), std::string::npos) << st.to_string();
+  // 128-column tiles asked for explicitly with BF16: an error, not a silent 256.
+  st = gemm::l2(DType::kBF16, args, p, nullptr, p, nullptr, 128, 256, const_cast<void*>(p), nullptr,
+                gemm::L2Tile::kN128);
+  EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
 }
 
 }  // namespace

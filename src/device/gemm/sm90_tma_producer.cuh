@@ -122,7 +122,7 @@ struct Sm90TmaProducer {
       // The weight thread's tail: it multicasts, and the other CTA's last arrivals land here.
       if (pair_role == kPairB) {
         for (int s = 0; s < kStages; ++s) {
-          acquire_cluster();
+          acquire_stage();
           ++st;
         }
       }
@@ -189,8 +189,10 @@ struct Sm90TmaProducer {
     ++st;
   }
   // kPair: K block kb of the pair's tile into the next stage of both CTAs (see the struct).
+  // acquire_stage's wait covers both CTAs: half of the empty barrier's arrivals come from the other
+  // CTA's math warps (ptx::mbarrier_arrive_count_remote says why CTA scope).
   __device__ void issue_pair(const scheduler::GemmTile& tile, int kb) {
-    acquire_cluster();
+    acquire_stage();
     uint64_t* full = pipe.producer_barrier(st);
     if (pair_role == kPairA) {
       // A CTA with no rows (the second of a pair block of <= 128 rows) loads no A; its weight half
@@ -212,12 +214,6 @@ struct Sm90TmaProducer {
                                  kb * kBlockK, row, uint16_t(0x3));
     }
     ++st;
-  }
-  // kPair: waits (bounded) until both CTAs' math warps released the next stage (half of the
-  // arrivals come from the other CTA; ptx::mbarrier_arrive_count_remote says why CTA scope).
-  __device__ void acquire_cluster() {
-    if (!pipe.producer_acquire(st))
-      pipeline::report_timeout(pipeline::WaitSite::kProducerEmpty, st.index, st.phase ^ 1u, sched.next_linear);
   }
   __device__ uint64_t* take_stage() {
     acquire_stage();

@@ -62,11 +62,6 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta(uint64_t* b
 }
 
 // ---- Clusters (the 128-column FP8 L2 kernel's CTA pairs) ------------------------------------------
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
 // The shared::cluster address of the same smem offset in CTA `rank` of this cluster.
 __device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
   uint32_t r;
