@@ -70,11 +70,21 @@ if [ "$mode" = ab ]; then
   # The key benchmarks of this build and of an older one (tools/stage_ab.sh <commit> put it in
   # $bin/epmoe-bench-old), alternating, two rounds: GEMMs, then the layer (both paths, bf16 and
   # fp32 combine partials).
+  # EPMOE_AB_TESTS=1: first the GEMM tests and, at R = 1, the layer tests of both paths on the new
+  # build (a change is timed only once it computes the right thing). EPMOE_AB_GEMM_ARGS: extra
+  # arguments of the GEMM benchmark (e.g. --dtype fp8).
   [ -x "$bin/epmoe-bench-old" ] || { echo "gpu_all.sh ab: no $bin/epmoe-bench-old (run tools/stage_ab.sh <commit> here first)"; exit 2; }
+  if [ "${EPMOE_AB_TESTS:-0}" = 1 ]; then
+    step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
+    export EPMOE_TEST_RANKS=1
+    step r1_layer_tests 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*:LayerE2EFused.*'
+    unset EPMOE_TEST_RANKS
+  fi
   for round in 1 2; do
     for v in new old; do
       b="$bin/epmoe-bench"; [ "$v" = old ] && b="$bin/epmoe-bench-old"
-      step "ab_gemm_${v}_$round" 150 "$b" gemm
+      # shellcheck disable=SC2086
+      step "ab_gemm_${v}_$round" 150 "$b" gemm ${EPMOE_AB_GEMM_ARGS:-}
     done
     for v in new old; do
       b="$bin/epmoe-bench"; [ "$v" = old ] && b="$bin/epmoe-bench-old"
