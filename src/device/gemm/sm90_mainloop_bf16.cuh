@@ -25,7 +25,7 @@ struct Sm90Bf16Mainloop {
   // kKeepLast: see the FP8 mainloop.
   template <bool kKeepLast = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
-                             const float* const (&)[2], int wg, bool idle, bool = false) {
+                             const float* const (&)[2], int wg, bool idle) {
     constexpr bool keep_last = kKeepLast;
     const int lane = threadIdx.x % 32;
     if (idle) {

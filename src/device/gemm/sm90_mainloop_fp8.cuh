@@ -17,18 +17,6 @@
 #include "device/pipeline/sm90_tma_pipeline.cuh"
 #include "device/ptx/ld_st.cuh"
 #include "device/ptx/wgmma.cuh"
-#include "device/ptx/fence.cuh"
-
-// EXPERIMENTS (docs/GEMM.md note 34; both measured slower, default off, not used by any build):
-// EPMOE_FP8_AHEAD = 1: K block kb + 1's stage wait, descriptors and scale loads while kb's second
-// half runs on the tensor cores; EPMOE_FP8_PINGPONG = 1: the two math warpgroups' batches enter
-// the tensor pipe in a fixed alternation through named barrier 5.
-#ifndef EPMOE_FP8_AHEAD
-#define EPMOE_FP8_AHEAD 0
-#endif
-#ifndef EPMOE_FP8_PINGPONG
-#define EPMOE_FP8_PINGPONG 0
-#endif
 
 namespace epmoe::gemm {
 
@@ -53,7 +41,7 @@ struct Sm90Fp8Mainloop {
   // wait expired); st then names it.
   template <bool kKeepLast = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
-                             const float* const (&b_scale)[2], int wg, bool idle, bool paired = false) {
+                             const float* const (&b_scale)[2], int wg, bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     if (idle) return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
@@ -78,72 +66,6 @@ struct Sm90Fp8Mainloop {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 
-#if EPMOE_FP8_AHEAD
-    if (num_k_blocks == 0) return true;
-    struct Next {
-      uint32_t a_lo, b_lo;
-      float sa_lo, sa_hi, sb0, sb1;
-    };
-    const auto prepare = [&](int kb, Next& n) -> bool {
-      asm volatile("add.u32 %0, %0, %1;" : "+r"(smem_s) : "r"(zero));
-      n.sb0 = ptx::ld_nc_f32(sp0 + kb);
-      n.sb1 = ptx::ld_nc_f32(sp1 + kb);
-      if (!pipe.consumer_wait(smem_s + Layout::kBarOffset, st)) return false;
-      const uint32_t sa = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u + st.index * Layout::kScaleA;
-      n.sa_lo = ptx::ld_shared_f32(sa);
-      n.sa_hi = ptx::ld_shared_f32(sa + 32u);
-      n.a_lo = smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes)) +
-               st.index * (Layout::kTileA >> 4);
-      n.b_lo = smem_desc_lo_sw128(smem_s + Layout::b_offset(0)) + st.index * (Layout::kTileB >> 4);
-      return true;
-    };
-    const auto issue_half = [&](uint32_t a_lo, uint32_t bh_lo) {
-      if (EPMOE_FP8_PINGPONG && paired && wg == 1) ptx::named_barrier_sync(5, 256);
-      ptx::fence_operands(tmp);
-      ptx::wgmma_fence_sync_aligned();
-#pragma unroll
-      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-        ptx::wgmma_m64n128k32_f32_e4m3_e4m3(tmp, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
-                                            smem_desc_from_lo(bh_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
-      ptx::wgmma_commit_group_sync_aligned();
-      if (EPMOE_FP8_PINGPONG && paired && wg == 0) ptx::named_barrier_sync(5, 256);
-    };
-    const auto promote = [&](int h, float sa_lo, float sa_hi, float sb) {
-      const float s0 = sa_lo * sb;
-      const float s1 = sa_hi * sb;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        acc[64 * h + 4 * i + 0] += tmp[4 * i + 0] * s0;
-        acc[64 * h + 4 * i + 1] += tmp[4 * i + 1] * s0;
-        acc[64 * h + 4 * i + 2] += tmp[4 * i + 2] * s1;
-        acc[64 * h + 4 * i + 3] += tmp[4 * i + 3] * s1;
-      }
-    };
-    Next cur;
-    if (!prepare(0, cur)) return false;
-    for (int kb = 0; kb < num_k_blocks; ++kb) {
-      constexpr uint32_t kHalfB = (kHalfN * Layout::kRowBytes) >> 4;
-      issue_half(cur.a_lo, cur.b_lo);
-      ptx::wgmma_wait_group_sync_aligned<0>();
-      ptx::fence_operands(tmp);
-      promote(0, cur.sa_lo, cur.sa_hi, cur.sb0);
-      issue_half(cur.a_lo, cur.b_lo + kHalfB);
-      const State held = st;
-      ++st;
-      Next next = cur;
-      if (kb + 1 < num_k_blocks && !prepare(kb + 1, next)) {
-        ptx::wgmma_wait_group_sync_aligned<0>();
-        return false;
-      }
-      ptx::wgmma_wait_group_sync_aligned<0>();
-      ptx::fence_operands(tmp);
-      __syncwarp();
-      if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(smem_s + Layout::kBarOffset, held);
-      promote(1, cur.sa_lo, cur.sa_hi, cur.sb1);
-      cur = next;
-    }
-    return true;
-#endif
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       // Why a loop-carried add of zero: it makes smem_s a value that changes in the loop, so ptxas
       // keeps it in a register; otherwise, short of registers, it rematerialized the base on each
@@ -169,7 +91,6 @@ struct Sm90Fp8Mainloop {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t bh_lo = b_lo + uint32_t(h) * ((kHalfN * Layout::kRowBytes) >> 4);
-        if (EPMOE_FP8_PINGPONG && paired && wg == 1) ptx::named_barrier_sync(5, 256);
         ptx::fence_operands(tmp);
         ptx::wgmma_fence_sync_aligned();
 #pragma unroll
@@ -177,7 +98,6 @@ struct Sm90Fp8Mainloop {
           ptx::wgmma_m64n128k32_f32_e4m3_e4m3(tmp, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
                                               smem_desc_from_lo(bh_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
         ptx::wgmma_commit_group_sync_aligned();
-        if (EPMOE_FP8_PINGPONG && paired && wg == 0) ptx::named_barrier_sync(5, 256);
         ptx::wgmma_wait_group_sync_aligned<0>();
         ptx::fence_operands(tmp);
         // The scales are in registers and the tensor cores are done with the stage: hand it

@@ -23,14 +23,6 @@
 #include "device/pipeline/sm90_tma_pipeline.cuh"
 #include "device/ptx/ld_st.cuh"
 #include "device/ptx/wgmma.cuh"
-#include "device/ptx/fence.cuh"
-
-// EXPERIMENT (docs/GEMM.md note 34; measured slower, default off, not used by any build):
-// EPMOE_N128_LOOP = 1 or 2: cuBLASLt's loop structure, one scratch per warpgroup, with (1) or
-// without (2) the two warpgroups' batches alternating through named barrier 5.
-#ifndef EPMOE_N128_LOOP
-#define EPMOE_N128_LOOP 0
-#endif
 
 namespace epmoe::gemm {
 
@@ -51,7 +43,7 @@ struct Sm90Fp8MainloopN128 {
   // then names it.
   template <bool kKeepLast = false>
   __device__ static bool run(float (&acc)[64], const Pipe& pipe, State& st, int num_k_blocks, const float* b_scale,
-                             int wg, bool idle, bool paired = false) {
+                             int wg, bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     if (idle) return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
@@ -117,53 +109,6 @@ struct Sm90Fp8MainloopN128 {
       ptx::wgmma_wait_group_sync_aligned<0>();
       return false;
     };
-
-#if EPMOE_N128_LOOP
-    // EXPERIMENT: cuBLASLt's structure (one scratch per warpgroup; K block kb + 1's stage wait and
-    // scale loads while kb runs; loop 1: the two warpgroups' batches alternate through named
-    // barrier 5).
-    (void)t1;
-    (void)paired;
-    {
-      float sb_next = ptx::ld_nc_f32(b_scale);
-      if (!pipe.consumer_wait(smem_s + Layout::kBarOffset, st)) return false;
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
-        asm volatile("add.u32 %0, %0, %1;" : "+r"(smem_s) : "r"(zero));
-        const float sb = sb_next;
-        float s0, s1;
-        scales(sb, s0, s1);
-#if EPMOE_N128_LOOP == 1
-        if (paired && wg == 1) ptx::named_barrier_sync(5, 256);
-#endif
-        {
-          const uint32_t a_lo = smem_desc_lo_sw128(smem_s + Layout::a_offset(0) +
-                                                   uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes)) +
-                                st.index * (Layout::kTileA >> 4);
-          const uint32_t b_lo = smem_desc_lo_sw128(smem_s + Layout::b_offset(0)) + st.index * (Layout::kTileB >> 4);
-          ptx::fence_operands(t0);
-          ptx::wgmma_fence_sync_aligned();
-#pragma unroll
-          for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-            ptx::wgmma_m64n128k32_f32_e4m3_e4m3(t0, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
-                                                smem_desc_from_lo(b_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
-          ptx::wgmma_commit_group_sync_aligned();
-          ++st;
-        }
-#if EPMOE_N128_LOOP == 1
-        if (paired && wg == 0) ptx::named_barrier_sync(5, 256);
-#endif
-        if (kb + 1 < num_k_blocks) {
-          sb_next = ptx::ld_nc_f32(b_scale + kb + 1);
-          if (!pipe.consumer_wait(smem_s + Layout::kBarOffset, st)) return fail();
-        }
-        ptx::wgmma_wait_group_sync_aligned<0>();
-        ptx::fence_operands(t0);
-        release(kb);
-        promote(t0, s0, s1);
-      }
-      return true;
-    }
-#endif
 
     // Why the four steps are written out: the same chunk with the retire step (scales, wait, fence,
     // release, promote) as one lambda compiled to 32 more instructions and, in one call, ran at

@@ -219,10 +219,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
     const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
     const bool ok = deferred
-                        ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle,
-                                                                   tile.rows_valid > kWarpgroupM)
-                        : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle,
-                                                        tile.rows_valid > kWarpgroupM);
+                        ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                        : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {
@@ -309,9 +307,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles_n128(const GroupedGem
     const float* b_scale = p.b_scale + (tile.expert * n_blocks128 + tile.n_block) * num_k_blocks;
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
     const bool deferred = tile.rows_valid >= kBlockM;
-    const bool paired = tile.rows_valid > kWarpgroupM;
-    const bool ok = deferred ? Mainloop::template run<true>(acc, pipe, st, num_k_blocks, b_scale, wg, idle, paired)
-                             : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle, paired);
+    const bool ok = deferred ? Mainloop::template run<true>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                             : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if (deferred) {
       const uint32_t kept = (st.index + uint32_t(Cfg::kStages) - 1u) % uint32_t(Cfg::kStages);
