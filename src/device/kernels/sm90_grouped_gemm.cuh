@@ -131,6 +131,12 @@ struct MathTilesResult {
   int tile = 0;
   pipeline::WaitSite site = pipeline::WaitSite::kConsumerFull;
   uint32_t tiles_staged = 0;  // deferred tiles handed to the storer so far (with the caller's start)
+
+  // The deferred epilogue's "drained" barrier never completed for the tile after `tile_count`
+  // staged ones (its parity), waiting on behalf of ring stage `stage` (0 where none is kept).
+  __device__ static MathTilesResult drain_timeout(uint32_t stage, uint32_t tile_count, int tile) {
+    return MathTilesResult{false, stage, (tile_count & 1u) ^ 1u, tile, pipeline::WaitSite::kEpilogueDrained};
+  }
 };
 
 // Every thread of the math warpgroup `wg` (0 or 1), at the math budget. `done` (optional, the
@@ -238,16 +244,14 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                                                          kept, tile_count, kBothMathBarrier);
         }
         if (!staged)
-          return MathTilesResult{false, kept, (tile_count & 1u) ^ 1u, sched.next_linear,
-                                 pipeline::WaitSite::kEpilogueDrained};
+          return MathTilesResult::drain_timeout(kept, tile_count, sched.next_linear);
         ++tile_count;
         continue;
       }
       // L2: the staging tiles below are slabs 6-7 of the last deferred tile: wait until they drained.
       // (BF16 L1's inline store uses no staging tile; the wait, once per partial tile, is harmless.)
       if (!Sm90EpilogueDeferredBf16::wait_drained<typename Cfg::Layout>(dyn_smem_base_s(), tile_count))
-        return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear,
-                               pipeline::WaitSite::kEpilogueDrained};
+        return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
     }
     if (done && pending >= 0) release_pending();
     // An idle warpgroup has no row to store (and acc was not computed); the readiness signal
@@ -256,8 +260,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       if (tile.rows_valid >= kBlockM) {
         const uint32_t smem_s = dyn_smem_base_s();
         if (!Sm90EpilogueDeferredBf16::begin_l1<typename Cfg::Layout>(tile, wg, smem_s, tile_count))
-          return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear,
-                                 pipeline::WaitSite::kEpilogueDrained};
+          return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
         Sm90EpilogueSwiGLU<true, true>::run(acc, p, tile, wg, smem_s + Cfg::Layout::epi_offset(uint32_t(wg)),
                                             smem_s + Cfg::Layout::kEpiScaleOffset);
         Sm90EpilogueDeferredBf16::end_l1<typename Cfg::Layout>(smem_s);
@@ -278,7 +281,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   if (done && pending >= 0) release_pending();
   if constexpr (Cfg::kHasStorer && kEndStorer) {
     if (!Sm90EpilogueDeferredBf16::finish<typename Cfg::Layout>(wg, dyn_smem_base_s(), tile_count))
-      return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
+      return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
   }
   MathTilesResult done_result;
   done_result.tiles_staged = tile_count;
@@ -314,20 +317,19 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles_n128(const GroupedGem
       const uint32_t kept = (st.index + uint32_t(Cfg::kStages) - 1u) % uint32_t(Cfg::kStages);
       if (!Sm90EpilogueDeferredBf16::stage_n128<typename Cfg::Layout>(acc, tile, wg, !idle, dyn_smem_base_s(), kept,
                                                                        tile_count, kBothMathBarrier))
-        return MathTilesResult{false, kept, (tile_count & 1u) ^ 1u, sched.next_linear,
-                               pipeline::WaitSite::kEpilogueDrained};
+        return MathTilesResult::drain_timeout(kept, tile_count, sched.next_linear);
       ++tile_count;
       continue;
     }
     // A partial tile: the staging tiles are free once the last deferred tile drained.
     if (!Sm90EpilogueDeferredBf16::wait_drained<typename Cfg::Layout>(dyn_smem_base_s(), tile_count))
-      return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
+      return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
     if (!idle)
       Sm90EpilogueStoreBf16::run<128>(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
                                       kMathBarrierBase + uint32_t(wg));
   }
   if (!Sm90EpilogueDeferredBf16::finish<typename Cfg::Layout>(wg, dyn_smem_base_s(), tile_count))
-    return MathTilesResult{false, 0, (tile_count & 1u) ^ 1u, sched.next_linear, pipeline::WaitSite::kEpilogueDrained};
+    return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
   MathTilesResult done_result;
   done_result.tiles_staged = tile_count;
   return done_result;
