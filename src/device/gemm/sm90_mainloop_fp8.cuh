@@ -55,6 +55,12 @@ struct Sm90Fp8Mainloop {
     uint32_t smem_s = dyn_smem_base_s();
     // A zero ptxas cannot see through (num_k_blocks >= 0), for the loop-carried add below.
     const uint32_t zero = uint32_t(num_k_blocks) >> 31;
+    // Why the broadcasts from lane 0 here and in the loop, and the vote on the stage wait: they
+    // tell ptxas that the descriptor inputs (warpgroup, smem base, stage index) are the same in
+    // every lane and that no lane leaves the loop alone. It then builds the wgmma descriptors in
+    // uniform registers; without them it built them in ordinary registers and moved each into a
+    // uniform one (32 R2UR per K block, between the wgmma of a batch).
+    wg = __shfl_sync(0xffffffffu, wg, 0);
     static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
     static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");
     static_assert(Layout::sa_offset(1) - Layout::sa_offset(0) == Layout::kScaleA, "scale stages are contiguous");
@@ -72,6 +78,8 @@ struct Sm90Fp8Mainloop {
       // use from the CTA-id special register (S2R + address math before every barrier wait and
       // release; ~9% of the warp samples in an ncu profile of the K = 2048 L2 kernel).
       asm volatile("add.u32 %0, %0, %1;" : "+r"(smem_s) : "r"(zero));
+      smem_s = __shfl_sync(0xffffffffu, smem_s, 0);
+      st.index = __shfl_sync(0xffffffffu, st.index, 0);
       const uint32_t bars_s = smem_s + Layout::kBarOffset;
       // Derived from the live smem_s here, not before the loop, for the same reason.
       const uint32_t a_lo0 =
@@ -83,7 +91,7 @@ struct Sm90Fp8Mainloop {
       // producer has asked L1 for the line, Sm90TmaProducer::prefetch_weight_scales).
       const float sb0 = ptx::ld_nc_f32(sp0 + kb);
       const float sb1 = ptx::ld_nc_f32(sp1 + kb);
-      if (!pipe.consumer_wait(bars_s, st)) return false;
+      if (!__all_sync(0xffffffffu, pipe.consumer_wait(bars_s, st))) return false;
       const float sa_lo = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA);
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
       const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
