@@ -72,12 +72,13 @@ if [ "$mode" = ab ]; then
   # fp32 combine partials).
   # EPMOE_AB_TESTS=1: first the GEMM tests and, at R = 1, the layer tests of both paths on the new
   # build (a change is timed only once it computes the right thing). EPMOE_AB_GEMM_ARGS: extra
-  # arguments of the GEMM benchmark (e.g. --dtype fp8).
+  # arguments of the GEMM benchmark (e.g. --dtype fp8). EPMOE_AB_PROFILE_COMM=1: then an ncu
+  # profile of the new build's dispatch and combine kernels.
   [ -x "$bin/epmoe-bench-old" ] || { echo "gpu_all.sh ab: no $bin/epmoe-bench-old (run tools/stage_ab.sh <commit> here first)"; exit 2; }
   if [ "${EPMOE_AB_TESTS:-0}" = 1 ]; then
     step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
     export EPMOE_TEST_RANKS=1
-    step r1_layer_tests 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*:LayerE2EFused.*'
+    step r1_layer_tests 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*:LayerE2EFused.*:DispatchCombine.*'
     unset EPMOE_TEST_RANKS
   fi
   for round in 1 2; do
@@ -92,6 +93,18 @@ if [ "$mode" = ab ]; then
       step "ab_layer_fp32p_${v}_$round" 90 "$b" layer --path pipeline,fused --tokens 128,4096
     done
   done
+  if [ "${EPMOE_AB_PROFILE_COMM:-0}" = 1 ]; then
+    # The new build's dispatch and combine kernels at R = 1 and 4096 tokens (FP8, bf16 partials):
+    # throughput, memory and stall sections as text, per-instruction stall samples as CSV.
+    for kernel in dispatch combine; do
+      step "ncu_r1_$kernel" 200 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
+        -k "regex:sm90_${kernel}_kernel" -c 1 --launch-skip 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section SourceCounters --import-source no \
+        -o "$out/ncu_r1_$kernel" "$bin/epmoe-bench" layer --ranks 1 --path pipeline --tokens 4096 --partials bf16 \
+        --graph 0 --iters 2 --warmup 1 --sets 1
+      ncu_export "ncu_r1_$kernel"
+    done
+  fi
   finish
 fi
 if [ "$mode" = single ]; then
