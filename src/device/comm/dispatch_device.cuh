@@ -209,30 +209,22 @@ __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const 
   if (mask == 0) return;
 
   char* x_pool = p.pool + pl.x_pool_offset();
-  float* x_scale = reinterpret_cast<float*>(p.pool + pl.x_scale_offset());
-  const auto store_row = [&](int r) {
+  for (unsigned mk = mask; mk; mk &= mk - 1) {
+    const int r = __shfl_sync(0xFFFFFFFFu, row, __ffs(mk) - 1);
     uint4* to = reinterpret_cast<uint4*>(x_pool + int64_t(r) * row_bytes);
 #pragma unroll
     for (int j = 0; j < kPullVecs; ++j)
       if (v0 + j * 32 + lane < nvec) to[v0 + j * 32 + lane] = buf[j];
-    if (kFp8 && g < G) x_scale[int64_t(g) * pl.scale_stride() + r] = scale;
-  };
-  // Two slots per step, the data and the scales of a row stored together. Why: each row's index
-  // comes from its slot lane by a shuffle, and the stores wait for it; one shuffle per row (and a
-  // second pass for the scales) put that latency before every row (ncu: ~18% of the dispatch
-  // kernel's stall samples at 4096 tokens). Every lane runs the loop: the shuffles need the slot
-  // lanes.
-  for (unsigned mk = mask; mk;) {
-    const int la = __ffs(mk) - 1;
-    mk &= mk - 1;
-    const int lb = mk != 0 ? __ffs(mk) - 1 : la;
-    mk &= mk - 1;
-    const int ra = __shfl_sync(0xFFFFFFFFu, row, la);
-    const int rb = __shfl_sync(0xFFFFFFFFu, row, lb);
-    store_row(ra);
-    if (lb != la) store_row(rb);
   }
   diag::trace(diag::kDispUnitStored);
+  if constexpr (kFp8) {
+    float* x_scale = reinterpret_cast<float*>(p.pool + pl.x_scale_offset());
+    // Why every lane in the loop: the shuffle needs the slot lanes active even where g >= G.
+    for (unsigned mk = mask; mk; mk &= mk - 1) {
+      const int r = __shfl_sync(0xFFFFFFFFu, row, __ffs(mk) - 1);
+      if (g < G) x_scale[int64_t(g) * pl.scale_stride() + r] = scale;
+    }
+  }
   if constexpr (kArrive) {
     static_assert(CommLocalLayout::kReadyBlockRows == 128, "arrival counters per 128-row pool block");
     ptx::fence_proxy_async_global();
