@@ -2,8 +2,7 @@
 //   FP8:  ours (L2 kernel: block-scaled e4m3, bf16 out) vs a per-expert loop of cuBLASLt FP8
 //         matmuls with VEC128 (activation) and BLK128x128 (weight) scales.
 //   BF16: ours vs cublasGemmGroupedBatchedEx.
-// Also the L1 kernel (same GEMM with the SwiGLU/requant epilogue, weight rows = N), and for FP8 the
-// L1 kernel on gathered rows (L1g; L1/L1g > 1 means the gathered one is faster).
+// Also the L1 kernel (same GEMM with the SwiGLU/requant epilogue, weight rows = N).
 // Flags: --dtype fp8|bf16|both  --iters N  --quick (first two shapes only)
 //        --shape G,M,N,K (repeatable: G groups of M rows each, instead of the built-in list)
 #include <cublasLt.h>
@@ -308,34 +307,6 @@ void bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s) {
           : epmoe::Status::Ok();
   const epmoe::Status st1 =
       gemm::plan_l1(dt, args, b.a, b.as, b.w, b.ws, b.rw, sh.k, sh.n / 2, 0.0f, false, b.out, b.out_s, &plan_l1);
-  // FP8: the L1 kernel on gathered rows (docs/GEMM.md, "Gathered L1 rows"): each pool row reads a
-  // random row of a token array of total_rows / 8 tokens (8 slots per token, as the layer's top-8
-  // routing makes), with that array's own scales.
-  gemm::GemmPlan plan_l1g;
-  void* x_tok = nullptr;
-  float* s_tok = nullptr;
-  int32_t* d_gidx = nullptr;
-  const epmoe::Status st1g = !fp8 ? epmoe::Status::Ok() : [&] {
-    const int64_t tokens = std::max<int64_t>(1, (total_rows + 7) / 8);
-    BENCH_CUDA(cudaMalloc(&x_tok, size_t(tokens) * sh.k));
-    BENCH_CUDA(cudaMalloc(&s_tok, size_t(tokens) * (sh.k / 128) * 4));
-    BENCH_CUDA(cudaMalloc(&d_gidx, size_t(max_rows) * 4));
-    fill_e4m3<<<1024, 256, 0, s>>>(static_cast<uint8_t*>(x_tok), size_t(tokens) * sh.k, 6);
-    fill_f32<<<256, 256, 0, s>>>(s_tok, size_t(tokens) * (sh.k / 128), 7, 1.0f / 16);
-    // EPMOE_BENCH_GATHER=seq (experiments): row r reads token r % tokens instead.
-    const char* order = std::getenv("EPMOE_BENCH_GATHER");
-    const bool seq = order != nullptr && std::string(order) == "seq";
-    std::vector<int32_t> gidx(max_rows, -1);
-    uint64_t h = 0x12345;
-    for (int64_t r = 0; r < max_rows; ++r) {
-      h = h * 6364136223846793005ull + 1442695040888963407ull;
-      gidx[r] = int32_t(seq ? r % tokens : (h >> 33) % uint64_t(tokens));
-    }
-    BENCH_CUDA(cudaMemcpy(d_gidx, gidx.data(), gidx.size() * 4, cudaMemcpyHostToDevice));
-    return gemm::plan_l1_gather(args, d_gidx, x_tok, tokens, s_tok, sh.k / 128, b.w, b.ws, b.rw, sh.k, sh.n / 2,
-                                0.0f, false, b.out, b.out_s, &plan_l1g);
-  }();
-  if (!st1g.ok()) std::printf("  plan_l1_gather: %s\n", st1g.to_string().c_str());
   if (!st2.ok()) std::printf("  plan_l2: %s\n", st2.to_string().c_str());
   if (!st2n.ok()) std::printf("  plan_l2 (128-column tiles): %s\n", st2n.to_string().c_str());
   if (!st1.ok()) std::printf("  plan_l1: %s\n", st1.to_string().c_str());
@@ -344,8 +315,6 @@ void bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s) {
   std::function<void()> ours_l2n;
   if (fp8) ours_l2n = [&] { ok &= gemm::launch(plan_l2n, s).ok(); };
   auto ours_l1 = [&] { ok &= gemm::launch(plan_l1, s).ok(); };
-  std::function<void()> ours_l1g;
-  if (fp8 && st1g.ok()) ours_l1g = [&] { ok &= gemm::launch(plan_l1g, s).ok(); };
   // cuBLASLt (FP8, block-scaled, per expert) or the grouped bf16 GEMM, timed in turns with ours.
   LtFp8 lt;
   GroupedBf16 gb;
@@ -365,22 +334,19 @@ void bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s) {
       ref_note = "cublasGemmGroupedBatchedEx failed";
     }
   }
-  const std::vector<double> tm = time_ms_turns({ours_l2, ours_l1, ref, ours_l2n, ours_l1g}, iters, s);
-  const double t2 = tm[0], t1 = tm[1], tref = tm[2], t2n = tm[3], t1g = tm[4];
+  const std::vector<double> tm = time_ms_turns({ours_l2, ours_l1, ref, ours_l2n}, iters, s);
+  const double t2 = tm[0], t1 = tm[1], tref = tm[2], t2n = tm[3];
   if (!ok) std::printf("  (a gemm call returned an error)\n");
 
   const double tf2 = flops / (t2 * 1e9), tf1 = flops / (t1 * 1e9), tfr = flops / (tref * 1e9);
   const double tf2n = flops / (t2n * 1e9);
   char n128[64] = "        -        -      -";
   if (fp8) std::snprintf(n128, sizeof(n128), "%9.3f %8.1f %6.2f", t2n, tf2n, tf2n / tfr);
-  char l1g[64] = "        -        -      -";
-  if (fp8) std::snprintf(l1g, sizeof(l1g), "%9.3f %8.1f %6.3f", t1g, flops / (t1g * 1e9), t1 / t1g);
-  std::printf("%-5s %-26s %9.3f %8.1f %8.0f | %9.3f %8.1f | %9.3f %8.1f %6.2f | %s | %s %s\n", fp8 ? "fp8" : "bf16",
-              sh.name.c_str(), t2, tf2, bytes / (t2 * 1e6), t1, tf1, tref, tfr, tf2 / tfr, n128, l1g, ref_note.c_str());
+  std::printf("%-5s %-26s %9.3f %8.1f %8.0f | %9.3f %8.1f | %9.3f %8.1f %6.2f | %s %s\n", fp8 ? "fp8" : "bf16",
+              sh.name.c_str(), t2, tf2, bytes / (t2 * 1e6), t1, tf1, tref, tfr, tf2 / tfr, n128, ref_note.c_str());
   std::fflush(stdout);
   cudaFree(b.a), cudaFree(b.as), cudaFree(b.w), cudaFree(b.ws), cudaFree(b.out), cudaFree(b.out_s);
   cudaFree(b.rw), cudaFree(b.count), cudaFree(b.offset);
-  cudaFree(x_tok), cudaFree(s_tok), cudaFree(d_gidx);
 }
 
 int run_gemm(const std::vector<std::string>& args) {
@@ -436,9 +402,8 @@ int run_gemm(const std::vector<std::string>& args) {
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("epmoe-bench gemm on %s (%d SMs); median of 5 x %d calls, the kernels of a shape timed in turns\n",
               prop.name, prop.multiProcessorCount, iters);
-  std::printf("%-5s %-26s %9s %8s %8s | %9s %8s | %9s %8s %6s | %9s %8s %6s | %9s %8s %6s\n", "dtype",
-              "shape (G,M,N,K)", "L2 ms", "TFLOP/s", "GB/s", "L1 ms", "TFLOP/s", "ref ms", "TFLOP/s", "ratio",
-              "L2n128 ms", "TFLOP/s", "ratio", "L1g ms", "TFLOP/s", "L1/L1g");
+  std::printf("%-5s %-26s %9s %8s %8s | %9s %8s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "shape (G,M,N,K)", "L2 ms",
+              "TFLOP/s", "GB/s", "L1 ms", "TFLOP/s", "ref ms", "TFLOP/s", "ratio", "L2n128 ms", "TFLOP/s", "ratio");
   cudaStream_t s;
   BENCH_CUDA(cudaStreamCreate(&s));
   for (DType dt : {DType::kFP8, DType::kBF16}) {

@@ -121,32 +121,28 @@ GroupedGemmParams base_params(const GroupedArgs& g, int n, int k) {
 }
 
 // The device half of planning, after the arguments passed their checks. Writes *out last.
-// a_rows: the rows of the A tensor (the pool's max_rows; the gathered L1: the token array's).
 Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a, const void* b, int n, int k,
-                  const GroupedGemmParams& p, GemmPlan* out, int64_t a_rows = -1) {
+                  const GroupedGemmParams& p, GemmPlan* out) {
   GemmPlan plan;
-  const bool l1 = stage == GemmStage::kL1 || stage == GemmStage::kL1Gather;
   EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
-  // The gathered L1 kernel never reads through map_a; it is still a valid map of its rows.
-  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a, a, fp8, a_rows < 0 ? g.max_rows : a_rows, k, k, kBlockM,
+  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a, a, fp8, g.max_rows, k, k, kBlockM,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations"));
   // The 128-column kernel's CTA pairs each load half of a weight tile (64 rows) into both CTAs.
   const int b_box_rows = stage == GemmStage::kL2N128 ? 64 : kBlockN;
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, b_box_rows,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights"));
-  if (!l1)
+  if (stage != GemmStage::kL1)
     EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, false, g.max_rows, n, p.out_ld, 64,
                                             CU_TENSOR_MAP_L2_PROMOTION_NONE, "the output pool"));
   // L1's deferred epilogue: e4m3 or bf16 output with n / 2 channels, same 64-row boxes.
-  if (l1)
+  if (stage == GemmStage::kL1)
     EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, fp8, g.max_rows, n / 2, p.out_ld, 64,
                                             CU_TENSOR_MAP_L2_PROMOTION_NONE, "the L1 output pool"));
   EPMOE_CUDA_RETURN(fp8 ? detail::configure_sm90_grouped_gemm_fp8(stage, plan.device)
                         : detail::configure_sm90_grouped_gemm_bf16(stage, plan.device));
   plan.fp8 = fp8;
-  plan.l1 = l1;
+  plan.l1 = stage == GemmStage::kL1;
   plan.n128 = stage == GemmStage::kL2N128;
-  plan.gather = stage == GemmStage::kL1Gather;
   plan.params = p;
   *out = plan;
   return Status::Ok();
@@ -233,41 +229,6 @@ Status plan_l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_
   return build_plan(fp8, GemmStage::kL1, g, x, w1, 2 * inter, hidden, p, out);
 }
 
-Status plan_l1_gather(const GroupedArgs& g, const int32_t* gather_idx, const void* x, int64_t x_rows,
-                      const float* x_scale, int64_t x_scale_ld, const void* w1, const float* w1_scale,
-                      const float* row_weight, int hidden, int inter, float clamp, bool pow2_scales, void* a,
-                      float* a_scale, GemmPlan* out) {
-  const char* who = "gemm::l1 (gathered rows)";
-  if (out == nullptr) return invalid(who, ": the plan output is null");
-  EPMOE_RETURN_IF_ERROR(check_args(who, g, hidden, inter, true));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "gather_idx", gather_idx));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "x", x));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "x_scale", x_scale));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "w1", w1));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "w1_scale", w1_scale));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "row_weight", row_weight));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "a", a));
-  EPMOE_RETURN_IF_ERROR(check_ptr(who, "a_scale", a_scale));
-  if (x_rows < 1 || x_rows > (int64_t(1) << 31) - 1)
-    return invalid(who, ": x_rows=", x_rows, " must be in [1, 2^31)");
-  if (x_scale_ld < hidden / kScaleBlock || x_scale_ld > (int64_t(1) << 30))
-    return invalid(who, ": x_scale_ld=", x_scale_ld, " must be >= hidden / 128 = ", hidden / kScaleBlock);
-  if (!std::isfinite(clamp)) return invalid(who, ": clamp=", clamp, " must be finite (<= 0 disables it)");
-  GroupedGemmParams p = base_params(g, 2 * inter, hidden);
-  p.b_scale = w1_scale;
-  p.out = a;
-  p.out_ld = inter;
-  p.out_scale = a_scale;
-  p.row_weight = row_weight;
-  p.clamp = clamp > 0.0f ? clamp : 0.0f;
-  p.pow2_scales = pow2_scales ? 1 : 0;
-  GemmPlan plan;
-  EPMOE_RETURN_IF_ERROR(build_plan(true, GemmStage::kL1Gather, g, x, w1, 2 * inter, hidden, p, &plan, x_rows));
-  plan.gather_rows = GatherParams{gather_idx, static_cast<const uint8_t*>(x), x_scale, int(x_scale_ld)};
-  *out = plan;
-  return Status::Ok();
-}
-
 // The FP8 L2 tile for kAuto: EPMOE_L2_TILE_N if set (128 or 256; anything else is an error), else
 // the default below.
 static Status resolve_l2_tile(L2Tile tile, bool* n128) {
@@ -310,14 +271,11 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
 
 Status launch(const GemmPlan& plan, cudaStream_t stream, bool weights_evict_first) {
   if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
-  const GemmStage stage = plan.gather ? GemmStage::kL1Gather
-                          : plan.l1   ? GemmStage::kL1
-                          : plan.n128 ? GemmStage::kL2N128
-                                      : GemmStage::kL2;
+  const GemmStage stage = plan.l1 ? GemmStage::kL1 : plan.n128 ? GemmStage::kL2N128 : GemmStage::kL2;
   GroupedGemmParams params = plan.params;
   params.weights_evict_first = weights_evict_first ? 1 : 0;
   EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d,
-                                                                     params, &plan.gather_rows, plan.grid, stream)
+                                                                     params, plan.grid, stream)
                              : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.map_d,
                                                                       params, plan.grid, stream));
   return Status::Ok();

@@ -87,13 +87,11 @@ struct GemmPlan {
   bool fp8 = false;
   bool l1 = false;  // L1 (SwiGLU epilogue) or L2 (bf16 store)
   bool n128 = false;  // L2 on 128-column tiles (FP8 only)
-  bool gather = false;  // L1 with gathered rows (FP8 only, plan_l1_gather; its rows in gather_rows)
   int grid = 0;     // persistent blocks: one per SM
   CUtensorMap map_a{};  // pool activations [max_rows][k]
   CUtensorMap map_b{};  // weights [num_groups * n][k]
   CUtensorMap map_d{};  // the output pool for the deferred epilogues' TMA stores (L2 bf16; FP8 L1 e4m3)
   GroupedGemmParams params{};
-  GatherParams gather_rows{};
 };
 
 // Arguments as for l1 / l2 below. Checks the arguments first (InvalidArgument, before any CUDA
@@ -105,17 +103,6 @@ Status plan_l1(DType dtype, const GroupedArgs& args, const void* x, const float*
                bool pow2_scales, void* a, float* a_scale, GemmPlan* out);
 Status plan_l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
                const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out, L2Tile tile = L2Tile::kAuto);
-
-// The FP8 L1 GEMM on gathered rows (docs/GEMM.md, "Gathered L1 rows"): pool row r's activations
-// are row gather_idx[r] of x (e4m3 [x_rows][hidden]), with the 1x128 scales
-// x_scale[gather_idx[r] * x_scale_ld + h / 128]; a negative index reads as a zero row. Pool rows of
-// the experts' segments must hold an index in [-1, x_rows) (the kernel does not check). Everything
-// else as plan_l1 with DType::kFP8: the same output, bit for bit, as plan_l1 on a pool whose row r
-// is that row of x (tests/gpu/test_gemm.cpp checks it).
-Status plan_l1_gather(const GroupedArgs& args, const int32_t* gather_idx, const void* x, int64_t x_rows,
-                      const float* x_scale, int64_t x_scale_ld, const void* w1, const float* w1_scale,
-                      const float* row_weight, int hidden, int inter, float clamp, bool pow2_scales, void* a,
-                      float* a_scale, GemmPlan* out);
 
 // Enqueues the planned kernel on `stream` (cudaLaunchKernelEx; no other CUDA call). The plan's
 // device must be current. Fails only on an empty plan or when the launch itself fails.

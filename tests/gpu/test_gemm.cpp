@@ -34,10 +34,6 @@ struct Case {
   bool pow2 = false;
   bool exact = false;  // small-integer operands: the fp32 GEMM is exact, the epilogue must match ~bit for bit
   gemm::L2Tile tile = gemm::L2Tile::kAuto;  // L2: the FP8 kernel's tile width
-  // FP8 L1 only: also run the gathered kernel (gemm::plan_l1_gather) on a token array that holds
-  // each valid row once (some rows share a token, as a token's slots do); its outputs must equal
-  // the pool kernel's bit for bit, and the checks below run on them.
-  bool gather = false;
 };
 
 template <class T>
@@ -62,8 +58,7 @@ std::string describe(const Case& c) {
   std::string s = std::string(c.dtype == DType::kFP8 ? "fp8 " : "bf16 ") + (c.l1 ? "L1" : "L2") +
                   " H=" + std::to_string(c.hidden) + " I=" + std::to_string(c.inter) + " counts=";
   for (int n : c.counts) s += std::to_string(n) + ",";
-  s += " clamp=" + std::to_string(c.clamp) + (c.pow2 ? " pow2" : "") + (c.exact ? " exact" : "") +
-       (c.gather ? " gather" : "");
+  s += " clamp=" + std::to_string(c.clamp) + (c.pow2 ? " pow2" : "") + (c.exact ? " exact" : "");
   return s;
 }
 
@@ -122,38 +117,6 @@ void run_case(const Case& c, uint64_t seed) {
     }
     if (fp8)
       for (int g = 0; g < K / 128; ++g) a_s[g * ss + r] = srow[g];
-  }
-
-  // ---- Gathered rows: a token array that holds each valid row once; about a quarter of the rows
-  // take the data of an earlier valid row instead (one token, several slots), in random order. ----
-  std::vector<int32_t> gather_idx(max_rows, -1);
-  int64_t tokens = 0;
-  std::vector<int64_t> token_row;  // token -> the pool row whose data it holds
-  if (c.gather) {
-    std::vector<int64_t> seen;
-    for (int64_t r = 0; r < max_rows; ++r) {
-      if (!valid[r]) continue;
-      if (!seen.empty() && rng() % 4 == 0) {
-        const int64_t from = seen[rng() % seen.size()];
-        std::copy(&a_q[from * K], &a_q[from * K] + K, &a_q[r * K]);
-        std::copy(&a_val[from * K], &a_val[from * K] + K, &a_val[r * K]);
-        for (int g = 0; g < K / 128; ++g) a_s[g * ss + r] = a_s[g * ss + from];
-        gather_idx[r] = gather_idx[from];
-      } else {
-        gather_idx[r] = int32_t(tokens++);
-        token_row.push_back(r);
-        seen.push_back(r);
-      }
-    }
-    // Shuffle the token order, so that a tile's rows are scattered over the array.
-    std::vector<int32_t> perm(tokens);
-    for (int64_t t = 0; t < tokens; ++t) perm[t] = int32_t(t);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<int64_t> shuffled(tokens);
-    for (int64_t t = 0; t < tokens; ++t) shuffled[perm[t]] = token_row[t];
-    token_row = shuffled;
-    for (auto& g : gather_idx)
-      if (g >= 0) g = perm[g];
   }
 
   // ---- Weights, user layout [G][NB][K], FP8 scales [G][NB/128][K/128]. ------------------------
@@ -248,47 +211,9 @@ void run_case(const Case& c, uint64_t seed) {
   }
   EPMOE_CUDA_OK(cudaStreamSynchronize(stream));
   EPMOE_CUDA_OK(cudaGetLastError());
-  std::vector<uint8_t> out = d_out.download();
-  std::vector<float> out_s = d_out_s.download();
-  if (c.gather) {
-    // The token array (each token's row and scales, scale row stride K / 128 + 1) and the indices.
-    const int64_t sld = K / 128 + 1;
-    std::vector<uint8_t> x_tok(std::max<int64_t>(tokens, 1) * size_t(K), 0);
-    std::vector<float> s_tok(std::max<int64_t>(tokens, 1) * size_t(sld), NAN);
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::copy(&a_q[token_row[t] * K], &a_q[token_row[t] * K] + K, &x_tok[t * K]);
-      for (int g = 0; g < K / 128; ++g) s_tok[t * sld + g] = a_s[g * ss + token_row[t]];
-    }
-    DeviceBuf<uint8_t> d_x(x_tok.size());
-    DeviceBuf<float> d_s(s_tok.size());
-    DeviceBuf<int32_t> d_idx(gather_idx.size());
-    d_x.upload(x_tok);
-    d_s.upload(s_tok);
-    d_idx.upload(gather_idx);
-    EPMOE_CUDA_OK(cudaMemset(d_out.ptr, 0xFF, d_out.n));
-    EPMOE_CUDA_OK(cudaMemset(d_out_s.ptr, 0xFF, d_out_s.n * 4));
-    gemm::GemmPlan plan;
-    EPMOE_OK(gemm::plan_l1_gather(args, d_idx.ptr, d_x.ptr, std::max<int64_t>(tokens, 1), d_s.ptr, sld, d_w_int.ptr,
-                                  d_ws_int.ptr, d_rw.ptr, c.hidden, c.inter, c.clamp, c.pow2, d_out.ptr, d_out_s.ptr,
-                                  &plan));
-    EPMOE_OK(gemm::launch(plan, stream));
-    EPMOE_CUDA_OK(cudaStreamSynchronize(stream));
-    EPMOE_CUDA_OK(cudaGetLastError());
-    const std::vector<uint8_t> gout = d_out.download();
-    const std::vector<float> gout_s = d_out_s.download();
-    int64_t diff_codes = 0, diff_scales = 0;
-    for (int64_t r = 0; r < max_rows; ++r) {
-      if (!valid[r]) continue;
-      for (int i = 0; i < NO; ++i) diff_codes += gout[r * NO + i] != out[r * NO + i];
-      for (int g = 0; g < NO / 128; ++g)
-        diff_scales += std::memcmp(&gout_s[g * ss + r], &out_s[g * ss + r], 4) != 0;
-    }
-    EXPECT_EQ(diff_codes, 0) << "gathered L1 codes differ from the pool kernel's";
-    EXPECT_EQ(diff_scales, 0) << "gathered L1 scales differ from the pool kernel's";
-    out = gout;  // the reference checks below run on the gathered kernel's output
-    out_s = gout_s;
-  }
   EPMOE_CUDA_OK(cudaStreamDestroy(stream));
+  const std::vector<uint8_t> out = d_out.download();
+  const std::vector<float> out_s = d_out_s.download();
 
   // ---- Checks. -------------------------------------------------------------------------------
   auto bf16_at = [&](int64_t r, int n) {
@@ -454,28 +379,6 @@ TEST(GemmL1Epilogue, Fp8RandomClampPow2) {
   EPMOE_REQUIRE_GPUS(1);
   Case c{DType::kFP8, true, {300, 63, 65}, 512, 384, 0.75f, true, false};
   run_case(c, fresh_seed());
-}
-
-// The gathered FP8 L1 kernel (rows by index from a token array): bit for bit the pool kernel's
-// output, and the reference checks. Edge counts (0, 1, 127, 129, ...), K = 128 (one K block) to
-// 7168, exact and random operands, clamp and power-of-two scales, many tiles per block.
-TEST(GemmL1Gather, MatchesPoolKernelBitForBit) {
-  EPMOE_REQUIRE_GPUS(1);
-  const struct { int hidden, inter; } shapes[] = {{128, 128}, {384, 640}, {7168, 256}};
-  for (const auto& sh : shapes)
-    for (bool exact : {false, true}) {
-      Case c{DType::kFP8, true, edge_counts(DType::kFP8), sh.hidden, sh.inter, exact ? 3.0f : 0.0f, exact, exact};
-      if (sh.hidden == 7168) c.counts = {0, 1, 129, 700};
-      c.gather = true;
-      run_case(c, fresh_seed());
-    }
-  // More tiles than blocks: 60 experts of 200-ish rows, a few empty.
-  std::vector<int> counts(60);
-  std::mt19937 rng(7);
-  for (int& n : counts) n = rng() % 5 == 0 ? 0 : 150 + int(rng() % 120);
-  Case many{DType::kFP8, true, counts, 256, 640};
-  many.gather = true;
-  run_case(many, fresh_seed());
 }
 
 TEST(GemmManyExperts, UnevenCountsRepeatedCalls) {

@@ -39,17 +39,4 @@ struct GroupedGemmParams {
   int weights_evict_first;
 };
 
-// The gathered FP8 L1 kernel's rows (GemmStage::kL1Gather, sm90_gather_producer.cuh): pool row r's
-// activations are row idx[r] of x ([*][k] e4m3) with its 1x128 scales at scale[idx[r] * scale_ld +
-// k_block]. GroupedGemmParams::a_scale and the A tensor map are then unused. Why a separate kernel
-// argument and not more GroupedGemmParams fields: a larger GroupedGemmParams alone changed the other
-// kernels' code (the FP8 L1 kernel's SASS went from 4328 to 3816 lines, one of its two SwiGLU
-// bodies gone), and those kernels are measured against their earlier builds.
-struct GatherParams {
-  const int32_t* idx;  // [rows]; entries of rows inside the experts' counts must be in [0, rows of x)
-  const uint8_t* x;
-  const float* scale;
-  int scale_ld;
-};
-
 }  // namespace epmoe::gemm

@@ -11,21 +11,16 @@
 
 #include <cstdint>
 
-#include "device/gemm/sm90_gather_producer.cuh"
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_smem_desc.cuh"
 #include "device/gemm/sm90_smem_layout.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
-#include "device/ptx/fence.cuh"
 #include "device/ptx/ld_st.cuh"
 #include "device/ptx/wgmma.cuh"
 
 namespace epmoe::gemm {
 
-// kGatherA: the stage's A tile and scales were written by cp.async (the gathered L1 kernel,
-// sm90_gather_producer.cuh), i.e. through the generic proxy: a proxy fence after the wait orders
-// them before this warp's wgmma reads (async proxy).
-template <int kStages, class Layout, bool kGatherA = false>
+template <int kStages, class Layout>
 struct Sm90Fp8Mainloop {
   static constexpr int kBlockK = 128;  // e4m3 elements per 128-byte row
   static constexpr int kWgmmaK = 32;
@@ -97,7 +92,6 @@ struct Sm90Fp8Mainloop {
       const float sb0 = ptx::ld_nc_f32(sp0 + kb);
       const float sb1 = ptx::ld_nc_f32(sp1 + kb);
       if (!__all_sync(0xffffffffu, pipe.consumer_wait(bars_s, st))) return false;
-      if constexpr (kGatherA && !kGatherProducerFence) ptx::fence_proxy_async_shared_cta();
       const float sa_lo = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA);
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
       const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);

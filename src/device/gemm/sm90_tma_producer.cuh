@@ -29,10 +29,7 @@ namespace epmoe::gemm {
 // per phase) with its own bytes. Why: one thread issuing all three loads per K block was busy all
 // the time (ncu: its ~90 dependent instructions per K block, in ELECT loops and address math) and
 // fed a 128-column K block no faster than ~1000 cycles (docs/GEMM.md note 33).
-// kGatherA (the gathered FP8 L1 kernel): this thread loads only the weights; the A rows and their
-// scales come from Sm90GatherA's threads, which arrive on the same full barriers.
-template <bool kFp8, int kStages, int kBlockK, class Layout, class Scheduler, bool kPair = false,
-          bool kGatherA = false>
+template <bool kFp8, int kStages, int kBlockK, class Layout, class Scheduler, bool kPair = false>
 struct Sm90TmaProducer {
   using Pipe = pipeline::TmaPipeline<kStages>;
   const CUtensorMap* tmap_a;
@@ -172,14 +169,6 @@ struct Sm90TmaProducer {
   // Why not issue_a then load_b: that order (A, scales, B) changed the standalone kernels' SASS.
   __device__ void issue(const scheduler::GemmTile& tile, int kb) {
     claim_next(kb);
-    if constexpr (kGatherA) {
-      acquire_stage();
-      uint64_t* full = pipe.producer_barrier(st);
-      ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTileB);
-      load_b(tile, kb, full, st.index);
-      ++st;
-      return;
-    }
     uint64_t* full = take_stage();
     ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
     load_b(tile, kb, full, st.index);

@@ -10,7 +10,7 @@ cudaError_t configure_sm90_grouped_gemm_bf16(GemmStage stage, int device) {
 cudaError_t launch_sm90_grouped_gemm_bf16(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
                                          const CUtensorMap& map_d, const GroupedGemmParams& p, int grid,
                                          cudaStream_t stream) {
-  return launch_stage<false>(stage, map_a, map_b, map_d, p, nullptr, grid, stream);
+  return launch_stage<false>(stage, map_a, map_b, map_d, p, grid, stream);
 }
 
 }  // namespace epmoe::gemm::detail

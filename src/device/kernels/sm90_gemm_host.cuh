@@ -11,19 +11,9 @@
 
 namespace epmoe::gemm::detail {
 
-// The kernel function of a configuration (the gathered L1 kernel has its own, with GatherParams).
-template <class Cfg>
-constexpr auto kernel_of() {
-  if constexpr (Cfg::kGatherA)
-    return &sm90_grouped_gemm_gather_kernel<Cfg>;
-  else
-    return &sm90_grouped_gemm_kernel<Cfg>;
-}
-
 template <class Cfg>
 cudaError_t configure(int device) {
   constexpr int kSmem = Cfg::Layout::kAllocBytes;
-  constexpr auto kernel = kernel_of<Cfg>();
   // Why per device and locked: the attribute belongs to the function in one device's context,
   // and layers on different devices may be created from different threads.
   static std::mutex mu;
@@ -31,10 +21,10 @@ cudaError_t configure(int device) {
   if (device < 0) return cudaErrorInvalidDevice;
   std::lock_guard<std::mutex> lock(mu);
   if (size_t(device) < done.size() && done[device]) return cudaSuccess;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaError_t e = cudaFuncSetAttribute(sm90_grouped_gemm_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return e;
   int blocks = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kNumThreads, kSmem);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sm90_grouped_gemm_kernel<Cfg>, kNumThreads, kSmem);
   if (e != cudaSuccess) return e;
   if (blocks < 1) return cudaErrorLaunchOutOfResources;
   if constexpr (Cfg::kPair) {
@@ -63,7 +53,7 @@ cudaError_t configure(int device) {
 
 template <class Cfg>
 cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d, const GroupedGemmParams& p,
-                   const GatherParams* g, int grid, cudaStream_t stream) {
+                   int grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(kNumThreads);
@@ -82,12 +72,7 @@ cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  if constexpr (Cfg::kGatherA) {
-    if (g == nullptr) return cudaErrorInvalidValue;
-    return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_gather_kernel<Cfg>, a, b, d, p, *g);
-  } else {
-    return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_kernel<Cfg>, a, b, d, p);
-  }
+  return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_kernel<Cfg>, a, b, d, p);
 }
 
 // Why 4 stages: 4 x 48.5 KB (FP8) or 4 x 48 KB (BF16) fills the 227 KB of smem.
@@ -100,17 +85,10 @@ using L2Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kStoreBf16Deferred, 4
 // pairs (clusters of two, grid rounded down to even).
 using L2N128Config = Sm90GroupedGemmConfig<true, Sm90Epilogue::kStoreBf16Deferred, 6, 128>;
 
-// The gathered FP8 L1 kernel: L1Config<true> with A through cp.async (sm90_gather_producer.cuh).
-using L1GatherConfig = Sm90GroupedGemmConfig<true, Sm90Epilogue::kSwiGLUDeferred, 4, kBlockN, true>;
-
 template <bool kFp8>
 cudaError_t configure_stage(GemmStage stage, int device) {
   if (stage == GemmStage::kL2N128) {
     if constexpr (kFp8) return configure<L2N128Config>(device);
-    return cudaErrorInvalidValue;
-  }
-  if (stage == GemmStage::kL1Gather) {
-    if constexpr (kFp8) return configure<L1GatherConfig>(device);
     return cudaErrorInvalidValue;
   }
   return stage == GemmStage::kL1 ? configure<L1Config<kFp8>>(device) : configure<L2Config<kFp8>>(device);
@@ -118,17 +96,13 @@ cudaError_t configure_stage(GemmStage stage, int device) {
 
 template <bool kFp8>
 cudaError_t launch_stage(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_d,
-                         const GroupedGemmParams& p, const GatherParams* g, int grid, cudaStream_t stream) {
+                         const GroupedGemmParams& p, int grid, cudaStream_t stream) {
   if (stage == GemmStage::kL2N128) {
-    if constexpr (kFp8) return launch<L2N128Config>(map_a, map_b, map_d, p, nullptr, grid, stream);
+    if constexpr (kFp8) return launch<L2N128Config>(map_a, map_b, map_d, p, grid, stream);
     return cudaErrorInvalidValue;
   }
-  if (stage == GemmStage::kL1Gather) {
-    if constexpr (kFp8) return launch<L1GatherConfig>(map_a, map_b, map_d, p, g, grid, stream);
-    return cudaErrorInvalidValue;
-  }
-  return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_b, map_d, p, nullptr, grid, stream)
-                                 : launch<L2Config<kFp8>>(map_a, map_b, map_d, p, nullptr, grid, stream);
+  return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_b, map_d, p, grid, stream)
+                                 : launch<L2Config<kFp8>>(map_a, map_b, map_d, p, grid, stream);
 }
 
 }  // namespace epmoe::gemm::detail

@@ -12,9 +12,8 @@
 namespace epmoe::gemm::detail {
 
 // kL2N128: the FP8 L2 kernel on 128-column tiles (docs/GEMM.md note 33; FP8 only, its B map has
-// 128-row boxes). kL1Gather: the FP8 L1 kernel whose A rows are gathered by index
-// (GroupedGemmParams::gather_*; FP8 only).
-enum class GemmStage { kL1, kL2, kL2N128, kL1Gather };
+// 128-row boxes).
+enum class GemmStage { kL1, kL2, kL2N128 };
 
 // Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and
 // checks that one block fits on an SM. Once per kernel and device (later calls return the first
@@ -26,10 +25,9 @@ cudaError_t configure_sm90_grouped_gemm_bf16(GemmStage stage, int device);
 // call). grid = persistent block count (one per SM); A is [rows][k] with a 128-row x 128-byte
 // box, B is [groups * n][k] with a 256-row x 128-byte box, both 128-byte swizzled; D (L2 only,
 // unused by L1) is the output pool [rows][n] bf16 with a 64 x 64 box, 128-byte swizzled.
-// gather: kL1Gather's rows (required there, ignored otherwise).
 cudaError_t launch_sm90_grouped_gemm_fp8(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
-                                         const CUtensorMap& map_d, const GroupedGemmParams& p,
-                                         const GatherParams* gather, int grid, cudaStream_t stream);
+                                         const CUtensorMap& map_d, const GroupedGemmParams& p, int grid,
+                                         cudaStream_t stream);
 cudaError_t launch_sm90_grouped_gemm_bf16(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
                                           const CUtensorMap& map_d, const GroupedGemmParams& p, int grid,
                                           cudaStream_t stream);

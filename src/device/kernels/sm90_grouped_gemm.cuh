@@ -25,7 +25,6 @@
 #include "device/gemm/sm90_epilogue_deferred.cuh"
 #include "device/gemm/sm90_epilogue_store.cuh"
 #include "device/gemm/sm90_epilogue_swiglu.cuh"
-#include "device/gemm/sm90_gather_producer.cuh"
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_mainloop_bf16.cuh"
 #include "device/gemm/sm90_mainloop_fp8.cuh"
@@ -68,13 +67,9 @@ inline constexpr uint32_t kBothMathBarrier = 4;
 // kTileN_: output columns per tile, kBlockN or 128. 128 is the FP8 L2 kernel with two scratch
 // accumulators (sm90_mainloop_fp8_n128.cuh, docs/GEMM.md note 33), standalone only, run as CTA
 // pairs (clusters of 2 along M sharing each weight tile through TMA multicast: kPair).
-// kGatherA_: the FP8 L1 kernel whose A rows are gathered by index (sm90_gather_producer.cuh).
-template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kTileN_ = kBlockN, bool kGatherA_ = false>
+template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kTileN_ = kBlockN>
 struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
-  static constexpr bool kGatherA = kGatherA_;
-  static_assert(!kGatherA_ || (kFp8_ && kEpi == Sm90Epilogue::kSwiGLUDeferred && kTileN_ == kBlockN),
-                "gathered rows exist for the standalone FP8 L1 kernel only");
   static constexpr int kStages = kStages_;
   static constexpr int kTileN = kTileN_;
   static constexpr bool kN128 = kTileN_ == 128;
@@ -94,14 +89,11 @@ struct Sm90GroupedGemmConfig {
   using Layout = Sm90SmemLayout<kFp8_, kStages_, kTileN_>;
   using Mainloop = std::conditional_t<
       kN128, Sm90Fp8MainloopN128<kStages_, Layout, kPair>,
-      std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout, kGatherA_>, Sm90Bf16Mainloop<kStages_, Layout>>>;
+      std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
   using Scheduler = std::conditional_t<kPair, scheduler::PairTileScheduler<kRasterGroupN>,
                                        scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>>;
-  using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler, kPair, kGatherA_>;
-  using Gather = Sm90GatherA<kStages_, Layout, Scheduler>;
-  // Arrivals per phase of a full barrier: the TMA thread(s), plus every gathering thread.
-  static constexpr uint32_t kFullArrivals = kGatherA_ ? 1u + uint32_t(kGatherThreads) : kPair ? 2u : 1u;
+  using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler, kPair>;
   static constexpr uint32_t kEmptyArrivals = kMathWarpgroups * 4 * (kPair ? 2 : 1);  // math warps releasing a stage
   static_assert(kMathWarpgroups * kWarpgroupM == kBlockM, "the math warpgroups split the tile's M");
   static_assert((kMathWarpgroups + 1) * 128 == kNumThreads, "one producer warpgroup plus the math warpgroups");
@@ -378,12 +370,10 @@ __device__ __forceinline__ void sm90_storer_tiles(const GroupedGemmParams& p, co
 // take issue slots from the math warps on every SM sub-partition.
 // Why the timeout report after the math loop: a trap inside the 232-register region makes ptxas
 // allocate that whole region for the entry budget of 168 (measured: 58 spilled accumulator slots).
-// gather: the gathered L1 kernel's rows (Cfg::kGatherA only).
 template <class Cfg>
 __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                                         const CUtensorMap* tmap_d, const GroupedGemmParams& p,
-                                                        const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
-                                                        const GatherParams* gather = nullptr) {
+                                                        const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem) {
   typename Cfg::Mainloop::State st{};
   if (threadIdx.x / 128 == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<kProducerRegs>();
@@ -397,10 +387,6 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
     if constexpr (Cfg::kHasStorer) {
       if (threadIdx.x == 32) sm90_storer_tiles<Cfg>(p, tmap_d);
     }
-    if constexpr (Cfg::kGatherA) {
-      if (threadIdx.x >= Cfg::Gather::kFirstThread && threadIdx.x < Cfg::Gather::kFirstThread + Cfg::Gather::kThreads)
-        Cfg::Gather::run(p, *gather, pipe, (p.n + Cfg::kTileN - 1) / Cfg::kTileN);
-    }
     return;
   }
   ptx::setmaxnreg_inc<kMathRegs>();
@@ -411,11 +397,10 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
   }
 }
 
-// The kernel body: barriers, then the roles. gather: see sm90_grouped_gemm_tiles.
 template <class Cfg>
-__device__ __forceinline__ void sm90_grouped_gemm_body(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                                       const CUtensorMap* tmap_d, const GroupedGemmParams& p,
-                                                       const GatherParams* gather) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+    sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                             const __grid_constant__ CUtensorMap tmap_d, const GroupedGemmParams p) {
   using Layout = typename Cfg::Layout;
   using Mainloop = typename Cfg::Mainloop;
   extern __shared__ uint8_t smem_raw[];
@@ -429,34 +414,15 @@ __device__ __forceinline__ void sm90_grouped_gemm_body(const CUtensorMap* tmap_a
       ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kDrainedBarOffset),
                          Sm90EpilogueDeferredBf16::kStorerThreads);
     }
-    // One arrive per math warp (its fence covers the two above); full: Cfg::kFullArrivals.
-    pipe.init(Cfg::kEmptyArrivals, Cfg::kFullArrivals);
+    // One arrive per math warp (its fence covers the two above); CTA pairs: two producer threads.
+    pipe.init(Cfg::kEmptyArrivals, Cfg::kPair ? 2u : 1u);
   }
   // CTA pairs: the other CTA's multicasts and arrivals may reach these barriers once it passed here.
   if constexpr (Cfg::kPair)
     ptx::cluster_sync();
   else
     __syncthreads();
-  sm90_grouped_gemm_tiles<Cfg>(tmap_a, tmap_b, tmap_d, p, pipe, smem, gather);
-}
-
-template <class Cfg>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                             const __grid_constant__ CUtensorMap tmap_d, const GroupedGemmParams p) {
-  static_assert(!Cfg::kGatherA, "the gathered L1 kernel is sm90_grouped_gemm_gather_kernel");
-  sm90_grouped_gemm_body<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, nullptr);
-}
-
-// The gathered FP8 L1 kernel: the same body with the rows' GatherParams as one more argument.
-template <class Cfg>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    sm90_grouped_gemm_gather_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                                    const __grid_constant__ CUtensorMap tmap_b,
-                                    const __grid_constant__ CUtensorMap tmap_d, const GroupedGemmParams p,
-                                    const GatherParams g) {
-  static_assert(Cfg::kGatherA, "only the gathered L1 kernel takes GatherParams");
-  sm90_grouped_gemm_body<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, &g);
+  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, pipe, smem);
 }
 
 }  // namespace epmoe::gemm
