@@ -9,7 +9,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=OFF >/dev/null
 cmake --build "$build" -j "$(nproc)"
 rm -rf .gpu/bin && mkdir -p .gpu/bin
-for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe; do
+for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe epmoe-gather-probe; do
   [ -x "$build/$b" ] && cp "$build/$b" .gpu/bin/ && strip --strip-debug .gpu/bin/$b || true
 done
 # EPMOE_STAGE_TRACE=1: also the trace build of epmoe-bench (device/debug/diag_trace.cuh) as
