@@ -128,6 +128,8 @@ if [ "$mode" = single ]; then
     step python_binding 150 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so" 1
   fi
   step bench_gemm 150 "$bin/epmoe-bench" gemm
+  # The cp.async row-gather feed (docs/GEMM.md note 36), a few seconds.
+  step gather_probe 60 "$bin/epmoe-gather-probe"
   for v in auto inline deferred; do
     [ "$v" = auto ] && unset EPMOE_FUSED_EPILOGUE || export EPMOE_FUSED_EPILOGUE=$v
     step "r1_layer_fp8_$v" 90 "$bin/epmoe-bench" layer --ranks 1 --path pipeline,fused \
