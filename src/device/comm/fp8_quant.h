@@ -39,7 +39,7 @@ inline __device__ __noinline__ uint2 quantize8_e4m3_ieee(uint4 v, float s) {
 // the same sequence is used here with r computed once. It is taken only where that check cannot
 // fail and the quotient is a normal float: s in [2^-64, 2^20] (here s >= |x| / 448, so
 // |x| <= 2^29), |x| >= 2^-100 and finite. A lane with a non-finite value, or a scale outside that
-// range, takes __fdiv_rn itself (quantize8_e4m3). For 0 < |x| < 2^-100 the quotient is below 2^-78 and its e4m3
+// range, takes __fdiv_rn itself (quantize8_e4m3_ieee). For 0 < |x| < 2^-100 the quotient is below 2^-78 and its e4m3
 // code is a signed zero; q0 = x * r has the sign of x and a magnitude far below e4m3's smallest
 // subnormal, so it gives the same code (also for x = -0).
 // Checked against __fdiv_rn for every finite bf16 value with |x| <= 448 s over a sweep of scales
