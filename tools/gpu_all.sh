@@ -29,7 +29,7 @@ good_nccl=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 summary=()
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
-  [ -x "${1}" ] || { summary+=("$name: SKIPPED (no ${1})"); return; }
+  { [ -x "${1}" ] || command -v "${1}" >/dev/null; } || { summary+=("$name: SKIPPED (no ${1})"); return; }
   [ "$name" != python_binding ] || [ -f "$bin/libepmoe_c.so" ] || { summary+=("$name: SKIPPED (no libepmoe_c.so)"); return; }
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -103,6 +103,45 @@ if [ "$mode" = ab ]; then
         -o "$out/ncu_r1_$kernel" "$bin/epmoe-bench" layer --ranks 1 --path pipeline --tokens 4096 --partials bf16 \
         --graph 0 --iters 2 --warmup 1 --sets 1
       ncu_export "ncu_r1_$kernel"
+    done
+  fi
+  finish
+fi
+# The peers (../shared/peers, copied to .gpu/peers by tools/stage_gpu.sh): DeepGEMM's grouped FP8
+# GEMM and torch/DeepGEMM bf16 beside epmoe-bench gemm in the same call, EPMOE_PEER_ROUNDS rounds
+# (default 2), then (EPMOE_PEER_NCU=1, default) an ncu profile of DeepGEMM's kernel and of our FP8 L2
+# and L1 kernels at (8,4096,4096,7168), each with SourceCounters exported per SASS instruction.
+peer_setup() {
+  [ -d .gpu/peers/wheels ] || { echo "gpu_all.sh: no .gpu/peers (tools/stage_gpu.sh copies ../shared/peers)"; return 1; }
+  python3 -m pip install -q --no-index --no-deps --target /tmp/peers .gpu/peers/wheels/*.whl >/dev/null 2>&1 || return 1
+  export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1
+}
+if [ "$mode" = peer-gemm ]; then
+  peer_setup || { summary+=("peer_setup: FAILED"); finish; }
+  shapes=${EPMOE_PEER_SHAPES:-8,4096,4096,7168 8,4096,7168,2048 32,1024,4096,7168 32,1024,7168,2048}
+  shape_args=(); for sh in $shapes; do shape_args+=(--shape "$sh"); done
+  for round in $(seq 1 "${EPMOE_PEER_ROUNDS:-2}"); do
+    # shellcheck disable=SC2086
+    step "deepgemm_fp8_$round" 300 python3 .gpu/peers/deepgemm_gemm.py $shapes
+    step "epmoe_gemm_fp8_$round" 200 "$bin/epmoe-bench" gemm --dtype fp8 "${shape_args[@]}"
+    if [ "${EPMOE_PEER_BF16:-1}" = 1 ]; then
+      # shellcheck disable=SC2086
+      step "peer_bf16_$round" 300 python3 .gpu/peers/bf16_grouped.py $shapes
+      step "epmoe_gemm_bf16_$round" 200 "$bin/epmoe-bench" gemm --dtype bf16 "${shape_args[@]}"
+    fi
+  done
+  if [ "${EPMOE_PEER_NCU:-1}" = 1 ]; then
+    prof=(--clock-control none --kernel-name-base mangled -c 1 --launch-skip 3 --section SpeedOfLight
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats
+          --section SchedulerStats --section LaunchStats --section Occupancy --section SourceCounters --import-source no)
+    step ncu_deepgemm 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:sm90_fp8_gemm_1d2d" \
+      -o "$out/ncu_deepgemm" python3 .gpu/peers/deepgemm_gemm.py 8,4096,4096,7168
+    ncu_export ncu_deepgemm
+    # E1: the L2 kernel (bf16 out), E3: the L1 kernel (SwiGLU + FP8 requant), Sm90Epilogue's order.
+    for e in E1 E3; do
+      step "ncu_ours_$e" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}ELi4ELi256E" \
+        -o "$out/ncu_ours_$e" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,4096,4096,7168
+      ncu_export "ncu_ours_$e"
     done
   fi
   finish
