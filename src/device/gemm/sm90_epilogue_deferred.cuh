@@ -328,13 +328,7 @@ struct Sm90EpilogueDeferredBf16 {
   // Why not the ring's spinning wait: the storer waits through a whole mainloop per tile, and a
   // polling warp takes issue slots from the math warps on its sub-partition.
   __device__ static bool wait_sleeping(uint32_t bar, uint32_t parity) {
-    if (ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) return true;
-    const uint64_t start = ptx::globaltimer_ns();
-    while (!ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) {
-      if (ptx::globaltimer_ns() - start > pipeline::kWaitTimeoutNs) return false;
-      ptx::nanosleep(256);
-    }
-    return true;
+    return pipeline::mbarrier_wait_bounded_suspend_s(bar, parity);
   }
 };
 

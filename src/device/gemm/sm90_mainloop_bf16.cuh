@@ -23,7 +23,8 @@ struct Sm90Bf16Mainloop {
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
   // kKeepLast: see the FP8 mainloop.
-  template <bool kKeepLast = false>
+  // kPairK: accepted for the FP8 loop's interface; this loop runs one K block per trip.
+  template <bool kKeepLast = false, bool kPairK = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
                              const float* const (&)[2], int wg, bool idle) {
     constexpr bool keep_last = kKeepLast;

@@ -39,7 +39,9 @@ struct Sm90Fp8Mainloop {
   // the K loop 12 SASS instructions.
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
-  template <bool kKeepLast = false>
+  // kPairK: two K blocks per loop trip (the standalone kernels). The fused kernel, at its register
+  // cap, keeps one per trip: the pairs' extra live registers spilled there.
+  template <bool kKeepLast = false, bool kPairK = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
                              const float* const (&b_scale)[2], int wg, bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
@@ -52,18 +54,18 @@ struct Sm90Fp8Mainloop {
     // derives the stage's addresses from the base with integer adds.
     // The stage ring starts at the aligned dynamic smem base (dyn_smem_base_s) and its barriers at
     // Layout::kBarOffset from it, in both kernels that run this loop.
-    uint32_t smem_s = dyn_smem_base_s();
-    // A zero ptxas cannot see through (num_k_blocks >= 0), for the loop-carried add below.
-    const uint32_t zero = uint32_t(num_k_blocks) >> 31;
-    // Why the broadcasts from lane 0 here and in the loop, and the vote on the stage wait: they
-    // tell ptxas that the descriptor inputs (warpgroup, smem base, stage index) are the same in
-    // every lane and that no lane leaves the loop alone. It then builds the wgmma descriptors in
-    // uniform registers; without them it built them in ordinary registers and moved each into a
-    // uniform one (32 R2UR per K block, between the wgmma of a batch).
+    const uint32_t smem_s = __shfl_sync(0xffffffffu, dyn_smem_base_s(), 0);
+    // Why the broadcast from lane 0: it tells ptxas that the warpgroup (so every wgmma descriptor
+    // input) is the same in every lane; it then builds the descriptors in uniform registers.
     wg = __shfl_sync(0xffffffffu, wg, 0);
     static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
     static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");
     static_assert(Layout::sa_offset(1) - Layout::sa_offset(0) == Layout::kScaleA, "scale stages are contiguous");
+    const uint32_t bars_s = smem_s + Layout::kBarOffset;
+    const uint32_t a_lo0 =
+        smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
+    const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
+    const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
     // A half past N (L2 with N an odd multiple of 128) is computed from the first half's scales;
     // its result is never stored.
     const float* const sp0 = b_scale[0];
@@ -72,26 +74,39 @@ struct Sm90Fp8Mainloop {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 
-    for (int kb = 0; kb < num_k_blocks; ++kb) {
-      // Why a loop-carried add of zero: it makes smem_s a value that changes in the loop, so ptxas
-      // keeps it in a register; otherwise, short of registers, it rematerialized the base on each
-      // use from the CTA-id special register (S2R + address math before every barrier wait and
-      // release; ~9% of the warp samples in an ncu profile of the K = 2048 L2 kernel).
-      asm volatile("add.u32 %0, %0, %1;" : "+r"(smem_s) : "r"(zero));
-      smem_s = __shfl_sync(0xffffffffu, smem_s, 0);
+    // Why the wait's result is carried instead of returned from: an exit from inside the loop on a
+    // per-lane value makes the loop divergent for ptxas, which then wraps every wait in
+    // divergence bookkeeping on the path between two wgmma batches (ncu: branch-resolving stalls
+    // at the loop head, ~60 instructions per K block). A timed-out loop skips its later waits,
+    // computes garbage it never stores, and returns false naming the first stage that expired.
+    const State st0 = st;
+    uint32_t failed = 0;
+    int failed_kb = 0;
+    // One K block: wait for its stage, two N halves of four wgmma each, promotion. With kPairK the
+    // weight scales of K block kb come in (cur0, cur1) and those of kb + 1 are loaded into
+    // (nxt0, nxt1); the loop runs two K blocks per trip with the register pairs swapped, so each
+    // scale load has a whole K block to land and no register copy waits on it (a copy of the next
+    // scales into the current ones at the end of each trip stalled on the load: ncu
+    // long-scoreboard samples on that copy, ~6% of the kernel's). Without kPairK each K block
+    // loads its own scales before its stage wait.
+    const auto k_block = [&](int kb, float cur0, float cur1, float& nxt0, float& nxt1) {
+      // Why the broadcast: the stage index is then provably the same in every lane, and ptxas
+      // steps the wgmma descriptors in uniform registers (without it: 32 R2UR per K block).
       st.index = __shfl_sync(0xffffffffu, st.index, 0);
-      const uint32_t bars_s = smem_s + Layout::kBarOffset;
-      // Derived from the live smem_s here, not before the loop, for the same reason.
-      const uint32_t a_lo0 =
-          smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
-      const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
-      const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
-      // Why before the wait: the scale loads' latency hides behind the barrier wait (except for a
-      // tile's first K block where the fused kernel learns the tile from its stage: there the
-      // producer has asked L1 for the line, Sm90TmaProducer::prefetch_weight_scales).
-      const float sb0 = ptx::ld_nc_f32(sp0 + kb);
-      const float sb1 = ptx::ld_nc_f32(sp1 + kb);
-      if (!__all_sync(0xffffffffu, pipe.consumer_wait(bars_s, st))) return false;
+      if constexpr (!kPairK) {
+        // One K block per trip: this block's scales, loaded before the stage wait so that their
+        // latency hides behind it.
+        cur0 = ptx::ld_nc_f32(sp0 + kb);
+        cur1 = ptx::ld_nc_f32(sp1 + kb);
+      }
+      const uint32_t was = failed;
+      failed = pipe.consumer_wait_flag(bars_s, st, failed);
+      failed_kb = failed > was ? kb : failed_kb;
+      if constexpr (kPairK) {
+        const int kn = kb + 1 < num_k_blocks ? kb + 1 : kb;
+        nxt0 = ptx::ld_nc_f32(sp0 + kn);
+        nxt1 = ptx::ld_nc_f32(sp1 + kn);
+      }
       const float sa_lo = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA);
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
       const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
@@ -113,13 +128,13 @@ struct Sm90Fp8Mainloop {
         // 0 arrives for the whole warp, so every lane's scale loads from the stage must be ordered
         // before its arrival. compute-sanitizer racecheck still reports the refill's bulk copy
         // against these loads (it does not count the warp barrier; with one arrival per lane it
-        // reports none): docs/GEMM.md note 20.
+        // reports none).
         if (h == 1) {
           __syncwarp();
           if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
         }
 
-        const float sb = h == 0 ? sb0 : sb1;
+        const float sb = h == 0 ? cur0 : cur1;
         const float s0 = sa_lo * sb;
         const float s1 = sa_hi * sb;
 #pragma unroll
@@ -131,6 +146,24 @@ struct Sm90Fp8Mainloop {
         }
       }
       ++st;
+    };
+    float sa0_w = kPairK && num_k_blocks > 0 ? ptx::ld_nc_f32(sp0) : 0.0f;
+    float sa1_w = kPairK && num_k_blocks > 0 ? ptx::ld_nc_f32(sp1) : 0.0f;
+    float sb0_w = 0.0f, sb1_w = 0.0f;
+    int kb = 0;
+    if constexpr (kPairK) {
+      for (; kb + 1 < num_k_blocks; kb += 2) {
+        k_block(kb, sa0_w, sa1_w, sb0_w, sb1_w);
+        k_block(kb + 1, sb0_w, sb1_w, sa0_w, sa1_w);
+      }
+      if (kb < num_k_blocks) k_block(kb, sa0_w, sa1_w, sb0_w, sb1_w);
+    } else {
+      for (; kb < num_k_blocks; ++kb) k_block(kb, sa0_w, sa1_w, sb0_w, sb1_w);
+    }
+    if (failed) {
+      st = st0;
+      for (int kb = 0; kb < failed_kb; ++kb) ++st;
+      return false;
     }
     return true;
   }

@@ -156,7 +156,7 @@ struct MathTilesResult {
 // after the wait for that stage (which the mainloop's own first wait then finds complete); the
 // producer's end mark (kNoMoreTiles) ends the loop, and its stage is released at once. Without
 // from_slots both roles walk the static order, as in the standalone kernels.
-template <class Cfg, bool kEndStorer = true>
+template <class Cfg, bool kEndStorer = true, bool kPairK = false>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
@@ -225,8 +225,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
     const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
     const bool ok = deferred
-                        ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                        : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+                        ? Mainloop::template run<Cfg::kDeferredStore, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                        : Mainloop::template run<false, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {
@@ -343,7 +343,7 @@ __device__ __forceinline__ std::enable_if_t<Cfg::kN128, MathTilesResult> sm90_ma
 template <class Cfg>
 __device__ __forceinline__ std::enable_if_t<!Cfg::kN128, MathTilesResult> sm90_math_role(
     const GroupedGemmParams& p, const typename Cfg::Mainloop::Pipe& pipe, typename Cfg::Mainloop::State& st, int wg) {
-  return sm90_math_tiles<Cfg>(p, pipe, st, wg);
+  return sm90_math_tiles<Cfg, true, Cfg::kFp8>(p, pipe, st, wg);
 }
 
 // The deferred epilogue's storer role: lane 0 of warp 1 of the producer warpgroup, at the producer

@@ -29,6 +29,18 @@ __device__ __forceinline__ bool mbarrier_wait_bounded_s(uint32_t bar, uint32_t p
 __device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t parity) {
   return mbarrier_wait_bounded_s(ptx::smem_u32(bar), parity);
 }
+// The same bound for waits that usually last long (a producer ahead of its consumers, a storer
+// waiting for the next tile): each try suspends the thread for up to kSuspendHintNs, so the
+// waiting warp takes almost no issue slots from the math warps on its sub-partition.
+inline constexpr uint32_t kSuspendHintNs = 20000;
+__device__ __forceinline__ bool mbarrier_wait_bounded_suspend_s(uint32_t bar, uint32_t parity) {
+  if (ptx::mbarrier_try_wait_parity_suspend_s(bar, parity, kSuspendHintNs)) return true;
+  const uint64_t start = ptx::globaltimer_ns();
+  while (!ptx::mbarrier_try_wait_parity_suspend_s(bar, parity, kSuspendHintNs)) {
+    if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
+  }
+  return true;
+}
 
 template <int kStages>
 struct TmaPipeline {
@@ -59,7 +71,7 @@ struct TmaPipeline {
   // for the parity before its first phase, hence phase ^ 1.
   // Returns false on timeout (see sm90_watchdog.cuh).
   __device__ __forceinline__ bool producer_acquire(const State& st) const {
-    return mbarrier_wait_bounded(&empty[st.index], st.phase ^ 1u);
+    return mbarrier_wait_bounded_suspend_s(ptx::smem_u32(&empty[st.index]), st.phase ^ 1u);
   }
   __device__ __forceinline__ uint64_t* producer_barrier(const State& st) const { return &full[st.index]; }
 
@@ -69,6 +81,11 @@ struct TmaPipeline {
   // the caller (the bars_s given to at()), for loops that keep that address live themselves.
   __device__ __forceinline__ bool consumer_wait(uint32_t bars_s, const State& st) const {
     return mbarrier_wait_bounded_s(bars_s + st.index * 8u, st.phase);
+  }
+  // The convergent form for K loops: returns `failed` | 1 on timeout, and skips the wait when
+  // `failed` is already set (ptx::mbarrier_wait_parity_acquire_cta_bounded_s).
+  __device__ __forceinline__ uint32_t consumer_wait_flag(uint32_t bars_s, const State& st, uint32_t failed) const {
+    return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + st.index * 8u, st.phase, kWaitTimeoutNs, failed);
   }
   __device__ __forceinline__ void consumer_release(uint32_t bars_s, const State& st) const {
     ptx::mbarrier_arrive_release_cta_s(bars_s + uint32_t(kStages) * 8u + st.index * 8u);
