@@ -1,7 +1,12 @@
 // The MoE layer end to end on 2+ GPUs against tests/reference (SPEC.md), one process per rank.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
 
 #include "e2e/layer_case.h"
 #include "mgpu/mgpu_util.h"
@@ -19,6 +24,26 @@ using ref::Routing;
 // is used.
 using mgpu::test_ranks;
 
+// The command line that replays the running test with `seed` on `ranks` ranks: EPMOE_SEED fixes
+// every input of every call (tests/reference/data.h), EPMOE_TEST_RANKS the rank count (and with it
+// the per-rank token counts); the environment variables that change what a case runs come along.
+std::string replay_command(uint64_t seed, int ranks) {
+  std::ostringstream os;
+  os << "EPMOE_SEED=" << seed << " EPMOE_TEST_RANKS=" << ranks;
+  for (const char* v : {"EPMOE_FUSED_EPILOGUE", "EPMOE_FUSED_PREFETCH", "EPMOE_FUSED_B_FIRST", "EPMOE_FUSED_CLAIM",
+                        "EPMOE_TEST_TIMEOUT_S", "EPMOE_EVIDENCE_CALLS"})
+    if (const char* val = std::getenv(v)) os << " " << v << "=" << val;
+  char exe[4096];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  os << " " << (n > 0 ? std::string(exe, size_t(n)) : std::string("epmoe_mgpu_tests"));
+  if (const auto* info = ::testing::UnitTest::GetInstance()->current_test_info()) {
+    const std::string name = info->name();
+    os << " --gtest_filter=" << info->test_suite_name() << "." << name;
+    if (name.rfind("DISABLED_", 0) == 0) os << " --gtest_also_run_disabled_tests";
+  }
+  return os.str();
+}
+
 void run_case(LayerCase c, int ranks = 2, double timeout_s = 240) {
   ranks = test_ranks(ranks);
   EPMOE_REQUIRE_RANKS(ranks);
@@ -26,8 +51,11 @@ void run_case(LayerCase c, int ranks = 2, double timeout_s = 240) {
   for (size_t r = c.tokens.size(), n0 = c.tokens.size(); r < size_t(ranks); ++r) c.tokens.push_back(c.tokens[r % n0]);
   c.tokens.resize(size_t(ranks));
   const uint64_t seed = ref::fresh_seed();
+  c.replay = replay_command(seed, ranks);
   std::printf("[e2e] %s seed=%llu\n", c.describe().c_str(), static_cast<unsigned long long>(seed));
   mgpu::run_on_ranks(ranks, [&](const RankContext& ctx) { return run_layer_case(ctx, c, seed); }, timeout_s);
+  // Every failure of the case (a rank's check, a timeout, a crash) gets the line that replays it.
+  if (::testing::Test::HasFailure()) std::printf("[e2e] FAILED; replay: %s\n", c.replay.c_str());
 }
 
 LayerCase make(Shape s, DType d, Routing r, std::vector<int> t = {}) {
@@ -61,7 +89,7 @@ LayerCase fused(LayerCase c) {
 // ---- Shapes x dtypes --------------------------------------------------------------------------
 E2E_CASE(Dsv3Fp8, kBothPaths, 240, {
   LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {512, 384});
-  c.sample_per_rank = 12;
+  c.sample_per_rank = 16;  // 16 x 8 slots x 16 groups = N_min (tests/e2e/fp8_check.h)
   return c;
 })
 E2E_CASE(Dsv3Bf16, kPipelineOnly, 240, {
@@ -77,9 +105,17 @@ E2E_CASE(Top2Bf16, kBothPaths, 240, { return make(kTop2, DType::kBF16, Routing::
 // ---- Routing cases (Qwen3-like shape, both dtypes where cheap) ---------------------------------
 E2E_CASE(ZipfFp8, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kZipf, {1024, 1024}); })
 E2E_CASE(ZipfBf16, kPipelineOnly, 240, { return make(kQwen3, DType::kBF16, Routing::kZipf, {1024, 1024}); })
-E2E_CASE(AllTokensToOneExpert, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kOneExpert, {700, 600}); })
+E2E_CASE(AllTokensToOneExpert, kBothPaths, 240, {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kOneExpert, {700, 600});
+  c.sample_per_rank = 384;  // one slot of 6 groups per token: 2304 groups >= N_min (tests/e2e/fp8_check.h)
+  return c;
+})
 E2E_CASE(AllTokensToOneRank, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kOneRank, {512, 512}); })
-E2E_CASE(MaskedSlots, kBothPaths, 240, { return make(kQwen3, DType::kFP8, Routing::kMasked, {512, 300}); })
+E2E_CASE(MaskedSlots, kBothPaths, 240, {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kMasked, {512, 300});
+  c.sample_per_rank = 96;  // ~6 valid slots of 6 groups: ~3400 groups >= N_min (tests/e2e/fp8_check.h)
+  return c;
+})
 E2E_CASE(MaskedSlotsBf16, kPipelineOnly, 240, { return make(kTop2, DType::kBF16, Routing::kMasked, {512, 300}); })
 E2E_CASE(DuplicateRanks, kPipelineOnly, 240, { return make(kQwen3, DType::kFP8, Routing::kDuplicateRanks, {256, 256}); })
 E2E_CASE(ExpertNamedTwiceInOneToken, kBothPaths, 240, {
@@ -109,7 +145,7 @@ E2E_CASE(ClampAndPow2Scales, kBothPaths, 240, {
 // outputs are added before the one bf16 rounding) in both dtypes, against SPEC's bounds.
 E2E_CASE(Dsv3Fp8Bf16Partials, kBothPaths, 240, {
   LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {384, 512});
-  c.sample_per_rank = 12;
+  c.sample_per_rank = 16;  // 16 x 8 slots x 16 groups = N_min (tests/e2e/fp8_check.h)
   c.bf16_partials = true;
   return c;
 })
@@ -143,7 +179,7 @@ E2E_CASE(FusedInlineEpilogueManyTokens, kBothPaths, 240, {
 // The per-call choice at a throughput token count (DSV3 slice, 1024+ tokens: deferred).
 E2E_CASE(Dsv3Fp8ManyTokens, kBothPaths, 240, {
   LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {1100, 1024});
-  c.sample_per_rank = 12;
+  c.sample_per_rank = 16;  // 16 x 8 slots x 16 groups = N_min (tests/e2e/fp8_check.h)
   return c;
 })
 
@@ -161,19 +197,20 @@ E2E_CASE(ThousandCallsFreshRoutingManyTokens, kBothPaths, 400, {
   LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {640, 512});
   c.calls = 1000;
   c.check_every = 100;
-  c.sample_per_rank = 96;
+  c.sample_per_rank = 256;  // 8 groups per token: N_min (tests/e2e/fp8_check.h)
   return c;
 })
 // Sanitizer-sized (tools/gpu_all.sh sanitize: compute-sanitizer slows every kernel many times, and
 // the kernels' bounded waits must not expire): the small shape with the megakernel's throughput
 // variant and tile claims (640 tokens: 320 rows per expert), its decode variant with claims (8
-// tokens: 4 rows per expert), and a tiny call (2 tokens: no claims), two calls each. Why not one
-// token: a single FP8 token exceeds SPEC's 1e-2 in about 1% of draws (docs/PERFORMANCE.md,
-// eleventh session), which an added case would only turn into flakes; over two tokens both would
-// have to be far off (rarer; not measured).
+// tokens: 4 rows per expert), and a tiny call (2 tokens: no claims), two calls each. The decode
+// and tiny calls are below N_min (tests/e2e/fp8_check.h): their rel_l2 against the float64
+// reference is printed, and the kernel-consistent checks gate them (issue 34: at 8 tokens SPEC's
+// statistic exceeds 1e-2 in ~2% of calls on a correct kernel).
 E2E_CASE(SmallThroughputTwoCalls, kBothPaths, 240, {
   LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {640, 512});
   c.calls = 2;
+  c.sample_per_rank = 256;  // 8 groups per token: N_min (tests/e2e/fp8_check.h)
   return c;
 })
 E2E_CASE(SmallBf16ThroughputTwoCalls, kBothPaths, 240, {
@@ -227,6 +264,49 @@ TEST(LayerE2E, BadInputGetsClearErrors) {
   EPMOE_REQUIRE_RANKS(ranks);
   const uint64_t seed = ref::fresh_seed();
   mgpu::run_on_ranks(ranks, [&](const RankContext& ctx) { return run_bad_input_case(ctx, seed); }, 180);
+  if (::testing::Test::HasFailure()) std::printf("[e2e] FAILED; replay: %s\n", replay_command(seed, ranks).c_str());
+}
+
+// ---- Issue 34's evidence (disabled by default) -----------------------------------------------
+// One layer, N calls with fresh inputs, every call checked on both paths (fused, then the pipeline
+// and a second fused call on the same inputs, bitwise); each rank prints the distributions of the
+// full-reference and kernel-consistent rel_l2, the step-5 flips, and a bootstrap of rel_l2 over
+// n-token samples. Fails only on a kernel-consistent or bitwise failure. N from
+// EPMOE_EVIDENCE_CALLS (default 300 for the small shape, 20 for the large ones). Run:
+//   EPMOE_TEST_RANKS=1 epmoe_mgpu_tests --gtest_also_run_disabled_tests --gtest_filter='LayerE2EEvidence.*'
+int evidence_calls(int fallback) {
+  if (const char* env = std::getenv("EPMOE_EVIDENCE_CALLS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return fallback;
+}
+
+LayerCase evidence_case(LayerCase c, int calls) {
+  c = fused(c);
+  c.calls = calls;
+  c.evidence = true;
+  return c;
+}
+
+// The case of issue 34: 8 tokens of the small shape (64 requantization groups per call).
+TEST(LayerE2EEvidence, DISABLED_SmallDecode) {
+  run_case(evidence_case(make(kSmall, DType::kFP8, Routing::kUniform, {8, 6}), evidence_calls(300)), 2, 580);
+}
+// 2 tokens of the small shape (16 groups).
+TEST(LayerE2EEvidence, DISABLED_SmallTiny) {
+  run_case(evidence_case(make(kSmall, DType::kFP8, Routing::kUniform, {2, 2}), evidence_calls(300)), 2, 580);
+}
+TEST(LayerE2EEvidence, DISABLED_Qwen3) {
+  run_case(evidence_case(make(kQwen3, DType::kFP8, Routing::kUniform, {256, 256}), evidence_calls(20)), 2, 580);
+}
+TEST(LayerE2EEvidence, DISABLED_Top2) {
+  run_case(evidence_case(make(kTop2, DType::kFP8, Routing::kUniform, {256, 256}), evidence_calls(20)), 2, 580);
+}
+TEST(LayerE2EEvidence, DISABLED_Dsv3) {
+  LayerCase c = make(kDsv3, DType::kFP8, Routing::kUniform, {256, 256});
+  c.sample_per_rank = 16;  // 16 x 8 slots x 16 groups = N_min (tests/e2e/fp8_check.h)
+  run_case(evidence_case(c, evidence_calls(20)), 2, 580);
 }
 
 }  // namespace

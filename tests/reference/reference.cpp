@@ -36,14 +36,17 @@ void expect_size(const char* name, int rank, size_t got, int64_t want) {
 
 // out[r] = sum over columns of W[r] . v, W row-major [rows][cols]. FP8: the
 // 128x128 block scale multiplies each block's partial dot, which equals the
-// dot of dequantized values up to double rounding.
-void gemv_fp8(const uint8_t* wq, const float* ws, int rows, int cols, const double* v, double* out) {
+// dot of dequantized values up to double rounding. With out_abs, also
+// out_abs[r] = sum of |W[r][j] v[j]|: the size a GPU GEMM's accumulation error
+// scales with (tests/reference/kernel_check.h).
+void gemv_fp8(const uint8_t* wq, const float* ws, int rows, int cols, const double* v, double* out,
+              double* out_abs = nullptr) {
   const double* lut = e4m3_table();
   const int bcols = cols / kQuantGroup;
   for (int r = 0; r < rows; ++r) {
     const uint8_t* wr = wq + int64_t(r) * cols;
     const float* sr = ws + int64_t(r / kQuantGroup) * bcols;
-    double acc = 0.0;
+    double acc = 0.0, acc_abs = 0.0;
     for (int b = 0; b < bcols; ++b) {
       // Why four partial sums: one serial chain of double adds is latency
       // bound; the order change is far below fp32 resolution.
@@ -51,12 +54,18 @@ void gemv_fp8(const uint8_t* wq, const float* ws, int rows, int cols, const doub
       for (int j = b * kQuantGroup; j < (b + 1) * kQuantGroup; j += 4)
         for (int l = 0; l < 4; ++l) part[l] += lut[wr[j + l]] * v[j + l];
       acc += ((part[0] + part[1]) + (part[2] + part[3])) * static_cast<double>(sr[b]);
+      if (out_abs) {
+        double mag = 0.0;
+        for (int j = b * kQuantGroup; j < (b + 1) * kQuantGroup; ++j) mag += std::fabs(lut[wr[j]] * v[j]);
+        acc_abs += mag * std::fabs(static_cast<double>(sr[b]));
+      }
     }
     out[r] = acc;
+    if (out_abs) out_abs[r] = acc_abs;
   }
 }
 
-void gemv_bf16(const uint16_t* w, int rows, int cols, const double* v, double* out) {
+void gemv_bf16(const uint16_t* w, int rows, int cols, const double* v, double* out, double* out_abs = nullptr) {
   for (int r = 0; r < rows; ++r) {
     const uint16_t* wr = w + int64_t(r) * cols;
     double part[4] = {0.0, 0.0, 0.0, 0.0};
@@ -65,6 +74,11 @@ void gemv_bf16(const uint16_t* w, int rows, int cols, const double* v, double* o
       for (int l = 0; l < 4; ++l) part[l] += static_cast<double>(bf16_to_float(wr[j + l])) * v[j + l];
     for (; j < cols; ++j) part[0] += static_cast<double>(bf16_to_float(wr[j])) * v[j];
     out[r] = (part[0] + part[1]) + (part[2] + part[3]);
+    if (out_abs) {
+      double mag = 0.0;
+      for (j = 0; j < cols; ++j) mag += std::fabs(static_cast<double>(bf16_to_float(wr[j])) * v[j]);
+      out_abs[r] = mag;
+    }
   }
 }
 
@@ -111,23 +125,25 @@ struct Scratch {
         acc(p.H), o(p.H) {}
 };
 
-void gemm1_into(const Problem& p, const RankWeights& w, int le, const double* x_hat, double* h64, float* h) {
+void gemm1_into(const Problem& p, const RankWeights& w, int le, const double* x_hat, double* h64, float* h,
+                double* h_abs = nullptr) {
   const int rows = 2 * p.I;
   if (p.dtype == DType::kFP8) {
     gemv_fp8(w.w1_q.data() + int64_t(le) * rows * p.H,
-             w.w1_s.data() + int64_t(le) * (rows / kQuantGroup) * (p.H / kQuantGroup), rows, p.H, x_hat, h64);
+             w.w1_s.data() + int64_t(le) * (rows / kQuantGroup) * (p.H / kQuantGroup), rows, p.H, x_hat, h64, h_abs);
   } else {
-    gemv_bf16(w.w1_bf16.data() + int64_t(le) * rows * p.H, rows, p.H, x_hat, h64);
+    gemv_bf16(w.w1_bf16.data() + int64_t(le) * rows * p.H, rows, p.H, x_hat, h64, h_abs);
   }
   for (int i = 0; i < rows; ++i) h[i] = static_cast<float>(h64[i]);
 }
 
-void gemm2_into(const Problem& p, const RankWeights& w, int le, const double* a_hat, double* o64, uint16_t* o) {
+void gemm2_into(const Problem& p, const RankWeights& w, int le, const double* a_hat, double* o64, uint16_t* o,
+                double* o_abs = nullptr) {
   if (p.dtype == DType::kFP8) {
     gemv_fp8(w.w2_q.data() + int64_t(le) * p.H * p.I,
-             w.w2_s.data() + int64_t(le) * (p.H / kQuantGroup) * (p.I / kQuantGroup), p.H, p.I, a_hat, o64);
+             w.w2_s.data() + int64_t(le) * (p.H / kQuantGroup) * (p.I / kQuantGroup), p.H, p.I, a_hat, o64, o_abs);
   } else {
-    gemv_bf16(w.w2_bf16.data() + int64_t(le) * p.H * p.I, p.H, p.I, a_hat, o64);
+    gemv_bf16(w.w2_bf16.data() + int64_t(le) * p.H * p.I, p.H, p.I, a_hat, o64, o_abs);
   }
   for (int i = 0; i < p.H; ++i) o[i] = bf16_from_float(static_cast<float>(o64[i]));
 }
@@ -238,6 +254,16 @@ void requant_act_row(const Problem& p, const float* a, double* a_hat, uint8_t* q
 void gemm2_row(const Problem& p, const RankWeights& w, int local_e, const double* a_hat, uint16_t* o) {
   std::vector<double> o64(p.H);
   gemm2_into(p, w, local_e, a_hat, o64.data(), o);
+}
+
+void gemm1_row_abs(const Problem& p, const RankWeights& w, int local_e, const double* x_hat, float* h, double* h_abs) {
+  std::vector<double> h64(2 * int64_t(p.I));
+  gemm1_into(p, w, local_e, x_hat, h64.data(), h, h_abs);
+}
+
+void gemm2_row_abs(const Problem& p, const RankWeights& w, int local_e, const double* a_hat, double* o64,
+                   uint16_t* o, double* o_abs) {
+  gemm2_into(p, w, local_e, a_hat, o64, o, o_abs);
 }
 
 void expert_forward_one(const Problem& p, const RankWeights& w, int local_e, const uint16_t* x_row,

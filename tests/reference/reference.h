@@ -77,6 +77,13 @@ void requant_act_row(const Problem& p, const float* a, double* a_hat,
 // fp32 first, as the GPU's accumulator is, then to bf16.
 void gemm2_row(const Problem& p, const RankWeights& w, int local_e, const double* a_hat, uint16_t* o);
 
+// Steps 2 and 6 with the size of their sums, for checks that bound a GPU GEMM's accumulation
+// error (tests/reference/kernel_check.h): h_abs[2I] = sum_i |W1[j][i] x_hat[i]|; o64[H] the
+// float64 dot before any rounding, o[H] as gemm2_row, o_abs[H] = sum_i |W2[j][i] a_hat[i]|.
+void gemm1_row_abs(const Problem& p, const RankWeights& w, int local_e, const double* x_hat, float* h, double* h_abs);
+void gemm2_row_abs(const Problem& p, const RankWeights& w, int local_e, const double* a_hat, double* o64,
+                   uint16_t* o, double* o_abs);
+
 // Every intermediate of one (token, expert) pair, for kernel-level tests.
 // x_q/x_s and a_q/a_s are filled in FP8 mode only.
 struct ExpertTrace {
