@@ -86,12 +86,12 @@ void check_token(const ref::Problem& p, int rank, int t, const uint16_t* y_row, 
     for (int j = 0; j < H; ++j) {
       ++res.o_checked;
       const uint16_t got = row->o[j];
-      if (!ref::bf16_within(got, v64[j], ref::gemm_error_window(v_abs[j], I, ref::kGemmAccumError))) {
+      if (!ref::bf16_within(got, v64[j], ref::gemm_error_window(v_abs[j], I, ref::kGemm2AccumError))) {
         if (!res.o_bad++) {
           std::ostringstream os;
           os.precision(9);
           os << where.str() << " channel " << j << ": o " << ref::bf16_to_float(got) << " vs W2 a^ = " << v64[j]
-             << " (window " << ref::gemm_error_window(v_abs[j], I, ref::kGemmAccumError) << ")";
+             << " (window " << ref::gemm_error_window(v_abs[j], I, ref::kGemm2AccumError) << ")";
           res.note(os.str());
         }
       } else if (got != o_kc[j]) {

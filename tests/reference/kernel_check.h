@@ -38,6 +38,12 @@ namespace epmoe::ref {
 // prints how much of the window the GPU's flips use ("window used"): its maximum over many calls
 // says how far this could be tightened.
 inline constexpr double kGemmAccumError = 0x1p-12;
+// The same bound for the W2 GEMM (step 6), measured larger: on one H100 (2026-11-26, evidence
+// test, 600 calls of the small shape, 6.1 M o values) six o values lay 1.16-1.27 x 2^-12 of their
+// absolute sum from the float64 W2 a^ (all others inside 2^-12), while step 5's flips used at
+// most 0.17 of their 2^-12 window. 2^-10 keeps a factor 3 over the largest seen; a defect (a wrong
+// row, column, scale or code) moves an o value by far more than 2^-10 of its absolute sum.
+inline constexpr double kGemm2AccumError = 0x1p-10;
 
 // Relative error of the GPU epilogue's SwiGLU in fp32 (fast exp, reciprocal, its own product
 // order), and of a * (1 / s) against a / s in the requantization: a few fp32 ulps; 2^-18 is 32 ulps.
