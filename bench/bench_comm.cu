@@ -111,7 +111,7 @@ Status nccl_alltoallv(ncclComm_t comm, int me, int R, const std::vector<int64_t>
   return Status::Ok();
 }
 
-Status run_rank(const RankContext& ctx, const Options& o) {
+Status run_rank(const RankContext& ctx, const Options& o, const Output& out) {
   std::unique_ptr<Communicator> comm;
   BENCH_OK(Communicator::create(ctx.id, ctx.rank, ctx.size, &comm));
   const int R = ctx.size, me = ctx.rank, H = o.hidden, K = o.topk, E = o.experts, E_loc = E / R, G = H / 128;
@@ -157,7 +157,10 @@ Status run_rank(const RankContext& ctx, const Options& o) {
   prob.H = H;
   prob.K = K;
   prob.T_max = T_max;
-  if (me == 0) {
+  // Rank 0 prints the table (or, with a bare --json, JSON lines) and writes the --json file.
+  const bool table = me == 0 && !out.json_stdout();
+  Progress progress("comm", int(o.tokens.size()), out.quiet || me != 0);
+  if (table) {
     std::printf("\nepmoe-bench comm: R=%d H=%d K=%d E=%d routing=%s, %d iters after %d warm-up, rank 0's view\n", R, H,
                 K, E, ref::routing_name(o.routing), o.iters, o.warmup);
     std::printf("NVLink bytes = token payload crossing into (dispatch) / out of (combine) this GPU; GB/s = bytes/time\n");
@@ -168,6 +171,8 @@ Status run_rank(const RankContext& ctx, const Options& o) {
                 "nccl us", "nccl GB/s", "ratio", "phases");
   }
   for (int T : o.tokens) {
+    progress.step("tokens " + std::to_string(T));
+    std::string json;  // this case's JSON lines
     std::vector<ref::Routed> all(R);
     for (int r = 0; r < R; ++r) all[r] = ref::make_routing(prob, o.routing, r, T, ref::mix_seed(42, T));
     std::vector<uint16_t> hx = ref::random_x(T, H, ref::mix_seed(7, T, me));
@@ -224,6 +229,7 @@ Status run_rank(const RankContext& ctx, const Options& o) {
       // Where the time goes: median over 10 more calls of the kernel's phase stamps (their own
       // pass: the stamps' atomics stay out of the timing above).
       std::string phases;
+      double phase_us[3] = {0, 0, 0};
       if (row.kind != 2) {
         std::vector<double> ph[3];
         detail::DispatchAccess::set_phase_stamps(*h, stamps);
@@ -246,8 +252,38 @@ Status run_rank(const RankContext& ctx, const Options& o) {
                                     : "partials %.1f / wait %.1f / reduce %.1f us",
                       ph[0][5], ph[1][5], ph[2][5]);
         phases = buf;
+        for (int k = 0; k < 3; ++k) phase_us[k] = ph[k][5];
       }
-      if (me == 0) {
+      if (me == 0 && out.json.size()) {
+        Json j;
+        j["mode"] = "comm";
+        j["ranks"] = R;
+        j["hidden"] = H;
+        j["topk"] = K;
+        j["experts"] = E;
+        j["routing"] = ref::routing_name(o.routing);
+        j["tokens"] = T;
+        j["op"] = row.name;
+        j["time_us"] = json_number(us, 1);
+        if (row.kind != 2) {
+          j["nvlink_bytes"] = bytes;
+          j["gbs"] = json_number(bytes / (us * 1e3), 1);
+          j["nccl_us"] = json_number(nccl_us, 1);
+          j["nccl_gbs"] = json_number(bytes / (nccl_us * 1e3), 1);
+          j["nccl_ratio"] = json_number(nccl_us / us, 2);
+          const char* const names[2][3] = {{"stage", "counts", "pull"}, {"partials", "wait", "reduce"}};
+          Json ph;
+          for (int k = 0; k < 3; ++k) ph[names[row.kind][k]] = json_number(phase_us[k], 1);
+          j["phases_us"] = ph;
+        }
+        if (row.kind == 0) {
+          j["dispatch_metadata_bytes"] = tr.disp_meta;
+          j["dispatch_idle_tokens"] = tr.disp_idle;
+          j["dispatch_speculative_bytes"] = tr.disp_idle * int64_t(H + 4 * G);
+        }
+        json += json_line(j);
+      }
+      if (table) {
         if (row.kind == 2)
           std::printf("%6d | %-22s | %9.1f | %10s | %8s | %9s | %8s | %6s\n", T, row.name, us, "", "", "", "", "");
         else
@@ -255,7 +291,13 @@ Status run_rank(const RankContext& ctx, const Options& o) {
                       bytes / 1e6, bytes / (us * 1e3), nccl_us, bytes / (nccl_us * 1e3), nccl_us / us, phases.c_str());
       }
     }
-    if (me == 0)
+    if (me == 0 && out.json_stdout()) {
+      std::fputs(json.c_str(), stdout);
+      std::fflush(stdout);
+    }
+    if (me == 0 && out.json_file() && !append_json_file(out, json, "comm"))
+      return Status(StatusCode::kInvalidArgument, "cannot write the --json file");
+    if (table)
       std::printf("%6d | (dispatch also pulls %.2f MB of routing metadata and %.2f MB of speculative fp8 rows "
                   "of %lld tokens with no expert here)\n",
                   T, tr.disp_meta / 1e6, tr.disp_idle * double(H + 4 * G) / 1e6, (long long)tr.disp_idle);
@@ -265,25 +307,7 @@ Status run_rank(const RankContext& ctx, const Options& o) {
   return Status::Ok();
 }
 
-int run_comm(const std::vector<std::string>& args) {
-  Options o;
-  o.ranks = parse_ranks_flag(args, 2);
-  for (size_t i = 0; i + 1 < args.size(); ++i) {
-    const std::string& a = args[i];
-    const std::string& v = args[i + 1];
-    if (a == "--hidden") o.hidden = std::stoi(v);
-    else if (a == "--topk") o.topk = std::stoi(v);
-    else if (a == "--experts") o.experts = std::stoi(v);
-    else if (a == "--iters") o.iters = std::stoi(v);
-    else if (a == "--warmup") o.warmup = std::stoi(v);
-    else if (a == "--routing") o.routing = v == "zipf" ? ref::Routing::kZipf : ref::Routing::kUniform;
-    else if (a == "--tokens") {
-      o.tokens.clear();
-      std::stringstream ss(v);
-      std::string item;
-      while (std::getline(ss, item, ',')) o.tokens.push_back(std::stoi(item));
-    }
-  }
+int run_comm(const Options& o, const Output& out) {
   if (o.ranks < 1 || o.tokens.empty()) {
     std::fprintf(stderr, "epmoe-bench comm: bad --ranks or --tokens\n");
     return 2;
@@ -296,7 +320,7 @@ int run_comm(const std::vector<std::string>& args) {
   LaunchOptions lo;
   lo.num_ranks = o.ranks;
   lo.timeout_seconds = 600;
-  const LaunchResult r = launch_ranks(lo, [&](const RankContext& ctx) { return run_rank(ctx, o); });
+  const LaunchResult r = launch_ranks(lo, [&](const RankContext& ctx) { return run_rank(ctx, o, out); });
   if (!r.ok) {
     std::fprintf(stderr, "epmoe-bench comm failed:\n%s", r.message.c_str());
     return 1;
@@ -304,10 +328,29 @@ int run_comm(const std::vector<std::string>& args) {
   return 0;
 }
 
-EPMOE_BENCH_COMMAND("comm",
-                    "dispatch/combine time and NVLink GB/s vs NCCL all-to-all [--ranks 2 --tokens 128,1024,4096,8192 "
-                    "--hidden 7168 --topk 8 --experts 64 --iters 30 --routing uniform|zipf]",
-                    run_comm);
+// The flags; parsed in the parent before it looks for GPUs.
+Run setup_comm(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  auto routing = std::make_shared<std::string>("uniform");
+  app.add_option("--ranks", o->ranks, "processes, one GPU each")->capture_default_str();
+  add_int_list(app, "--tokens", &o->tokens, "tokens per rank, one case each", 0);
+  app.add_option("--hidden", o->hidden, "hidden size H (token row width)")->capture_default_str();
+  app.add_option("--topk", o->topk, "experts per token K")->capture_default_str();
+  app.add_option("--experts", o->experts, "experts E over all ranks")->capture_default_str();
+  app.add_option("--iters", o->iters, "timed calls per row")->capture_default_str();
+  app.add_option("--warmup", o->warmup, "untimed calls before them")->capture_default_str();
+  app.add_option("--routing", *routing, "token-to-expert routing")
+      ->check(CLI::IsMember({"uniform", "zipf"}))
+      ->capture_default_str();
+  app.footer("Prints rank 0's table: per token count, dispatch and combine (FP8 and BF16) time, NVLink GB/s, "
+             "NCCL all-to-all of the same payload, and the kernels' phases.");
+  return [o, routing](const Output& out) {
+    o->routing = *routing == "zipf" ? ref::Routing::kZipf : ref::Routing::kUniform;
+    return run_comm(*o, out);
+  };
+}
+
+EPMOE_BENCH_COMMAND("comm", "dispatch/combine time and NVLink GB/s vs NCCL all-to-all", setup_comm);
 
 }  // namespace
 }  // namespace epmoe::bench

@@ -3,8 +3,9 @@
 //         matmuls with VEC128 (activation) and BLK128x128 (weight) scales.
 //   BF16: ours vs cublasGemmGroupedBatchedEx.
 // Also the L1 kernel (same GEMM with the SwiGLU/requant epilogue, weight rows = N).
-// Flags: --dtype fp8|bf16|both  --iters N  --quick (first two shapes only)
+// Flags (epmoe-bench gemm --help): --dtype fp8|bf16|both  --iters N  --quick (first two shapes only)
 //        --shape G,M,N,K (repeatable: G groups of M rows each, instead of the built-in list)
+//        --json [FILE]  --quiet
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -14,15 +15,20 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "bench_registry.h"
+#include "bench_util.h"
 #include "host/gemm.h"
 
 namespace {
 
 using epmoe::DType;
+using epmoe::bench::Json;
+using epmoe::bench::json_number;
+using epmoe::bench::Output;
 namespace gemm = epmoe::gemm;
 
 #define BENCH_CUDA(call)                                                                      \
@@ -256,7 +262,10 @@ struct GroupedBf16 {
   }
 };
 
-void bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s) {
+// Times one shape and prints its table row; returns its JSON record. With a bare --json the row
+// is not printed (the caller prints the record) and notes go to stderr.
+Json bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s, const Output& out) {
+  FILE* note = out.json_stdout() ? stderr : stdout;
   const bool fp8 = dt == DType::kFP8;
   const int G = int(sh.rows.size());
   const int align = gemm::row_align(dt);
@@ -307,9 +316,9 @@ void bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s) {
           : epmoe::Status::Ok();
   const epmoe::Status st1 =
       gemm::plan_l1(dt, args, b.a, b.as, b.w, b.ws, b.rw, sh.k, sh.n / 2, 0.0f, false, b.out, b.out_s, &plan_l1);
-  if (!st2.ok()) std::printf("  plan_l2: %s\n", st2.to_string().c_str());
-  if (!st2n.ok()) std::printf("  plan_l2 (128-column tiles): %s\n", st2n.to_string().c_str());
-  if (!st1.ok()) std::printf("  plan_l1: %s\n", st1.to_string().c_str());
+  if (!st2.ok()) std::fprintf(note, "  plan_l2: %s\n", st2.to_string().c_str());
+  if (!st2n.ok()) std::fprintf(note, "  plan_l2 (128-column tiles): %s\n", st2n.to_string().c_str());
+  if (!st1.ok()) std::fprintf(note, "  plan_l1: %s\n", st1.to_string().c_str());
   bool ok = true;
   auto ours_l2 = [&] { ok &= gemm::launch(plan_l2, s).ok(); };
   std::function<void()> ours_l2n;
@@ -336,45 +345,68 @@ void bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s) {
   }
   const std::vector<double> tm = time_ms_turns({ours_l2, ours_l1, ref, ours_l2n}, iters, s);
   const double t2 = tm[0], t1 = tm[1], tref = tm[2], t2n = tm[3];
-  if (!ok) std::printf("  (a gemm call returned an error)\n");
+  if (!ok) std::fprintf(note, "  (a gemm call returned an error)\n");
 
   const double tf2 = flops / (t2 * 1e9), tf1 = flops / (t1 * 1e9), tfr = flops / (tref * 1e9);
   const double tf2n = flops / (t2n * 1e9);
   char n128[64] = "        -        -      -";
   if (fp8) std::snprintf(n128, sizeof(n128), "%9.3f %8.1f %6.2f", t2n, tf2n, tf2n / tfr);
-  std::printf("%-5s %-26s %9.3f %8.1f %8.0f | %9.3f %8.1f | %9.3f %8.1f %6.2f | %s %s\n", fp8 ? "fp8" : "bf16",
-              sh.name.c_str(), t2, tf2, bytes / (t2 * 1e6), t1, tf1, tref, tfr, tf2 / tfr, n128, ref_note.c_str());
+  if (!out.json_stdout())
+    std::printf("%-5s %-26s %9.3f %8.1f %8.0f | %9.3f %8.1f | %9.3f %8.1f %6.2f | %s %s\n", fp8 ? "fp8" : "bf16",
+                sh.name.c_str(), t2, tf2, bytes / (t2 * 1e6), t1, tf1, tref, tfr, tf2 / tfr, n128, ref_note.c_str());
   std::fflush(stdout);
+  // The table's columns, same precision; null where the table has "-" or the time is missing.
+  Json j;
+  j["mode"] = "gemm";
+  j["dtype"] = fp8 ? "fp8" : "bf16";
+  j["shape"] = sh.name;
+  j["groups"] = G;
+  j["rows"] = total_rows;
+  j["n"] = sh.n;
+  j["k"] = sh.k;
+  j["iters"] = iters;
+  j["l2_ms"] = json_number(t2, 3);
+  j["l2_tflops"] = json_number(tf2, 1);
+  j["l2_gbs"] = json_number(bytes / (t2 * 1e6), 0);
+  j["l1_ms"] = json_number(t1, 3);
+  j["l1_tflops"] = json_number(tf1, 1);
+  j["ref_ms"] = json_number(tref, 3);
+  j["ref_tflops"] = json_number(tfr, 1);
+  j["ratio"] = json_number(tf2 / tfr, 2);
+  j["l2n128_ms"] = fp8 ? json_number(t2n, 3) : Json(nullptr);
+  j["l2n128_tflops"] = fp8 ? json_number(tf2n, 1) : Json(nullptr);
+  j["l2n128_ratio"] = fp8 ? json_number(tf2n / tfr, 2) : Json(nullptr);
+  j["ref_note"] = ref_note;
+  j["calls_ok"] = ok;
   cudaFree(b.a), cudaFree(b.as), cudaFree(b.w), cudaFree(b.ws), cudaFree(b.out), cudaFree(b.out_s);
   cudaFree(b.rw), cudaFree(b.count), cudaFree(b.offset);
+  return j;
 }
 
-int run_gemm(const std::vector<std::string>& args) {
+struct GemmFlags {
   std::string dtype = "both";
   int iters = 10;
   bool quick = false;
+  std::vector<std::string> shapes;
+};
+
+int run_gemm(const GemmFlags& f, const Output& out) {
+  const std::string& dtype = f.dtype;
+  const int iters = f.iters;
+  const bool quick = f.quick;
   std::vector<Shape> custom;
   const char* usage = "usage: epmoe-bench gemm [--dtype fp8|bf16|both] [--iters N] [--quick] [--shape G,M,N,K ...]\n";
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--dtype" && i + 1 < args.size()) dtype = args[++i];
-    else if (args[i] == "--iters" && i + 1 < args.size()) iters = std::atoi(args[++i].c_str());
-    else if (args[i] == "--quick") quick = true;
-    else if (args[i] == "--shape" && i + 1 < args.size()) {
-      const std::string v = args[++i];
-      int g = 0, m = 0, n = 0, k = 0;
-      char tail = 0;
-      // Why these limits: the kernels need N and K in multiples of 128 (gemm::validate_shape), and
-      // the benchmark allocates every group's rows at once.
-      if (std::sscanf(v.c_str(), "%d,%d,%d,%d%c", &g, &m, &n, &k, &tail) != 4 || g < 1 || g > 1024 || m < 0 ||
-          m > 65536 || n < 128 || n % 128 != 0 || k < 128 || k % 128 != 0) {
-        std::fprintf(stderr, "epmoe-bench gemm: bad --shape '%s' (want G,M,N,K: G in [1, 1024], M in [0, 65536], N and K positive multiples of 128)\n", v.c_str());
-        return 2;
-      }
-      custom.push_back({"(" + v + ")", std::vector<int>(g, m), n, k});
-    } else {
-      std::fprintf(stderr, "%s", usage);
+  for (const std::string& v : f.shapes) {
+    int g = 0, m = 0, n = 0, k = 0;
+    char tail = 0;
+    // Why these limits: the kernels need N and K in multiples of 128 (gemm::validate_shape), and
+    // the benchmark allocates every group's rows at once.
+    if (std::sscanf(v.c_str(), "%d,%d,%d,%d%c", &g, &m, &n, &k, &tail) != 4 || g < 1 || g > 1024 || m < 0 ||
+        m > 65536 || n < 128 || n % 128 != 0 || k < 128 || k % 128 != 0) {
+      std::fprintf(stderr, "epmoe-bench gemm: bad --shape '%s' (want G,M,N,K: G in [1, 1024], M in [0, 65536], N and K positive multiples of 128)\n", v.c_str());
       return 2;
     }
+    custom.push_back({"(" + v + ")", std::vector<int>(g, m), n, k});
   }
   if (iters < 1) {
     std::fprintf(stderr, "epmoe-bench gemm: --iters must be >= 1\n%s", usage);
@@ -400,22 +432,57 @@ int run_gemm(const std::vector<std::string>& args) {
   if (!custom.empty()) shapes = custom;
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("epmoe-bench gemm on %s (%d SMs); median of 5 x %d calls, the kernels of a shape timed in turns\n",
-              prop.name, prop.multiProcessorCount, iters);
-  std::printf("%-5s %-26s %9s %8s %8s | %9s %8s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "shape (G,M,N,K)", "L2 ms",
-              "TFLOP/s", "GB/s", "L1 ms", "TFLOP/s", "ref ms", "TFLOP/s", "ratio", "L2n128 ms", "TFLOP/s", "ratio");
+  if (!out.json_stdout()) {
+    std::printf("epmoe-bench gemm on %s (%d SMs); median of 5 x %d calls, the kernels of a shape timed in turns\n",
+                prop.name, prop.multiProcessorCount, iters);
+    std::printf("%-5s %-26s %9s %8s %8s | %9s %8s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "shape (G,M,N,K)", "L2 ms",
+                "TFLOP/s", "GB/s", "L1 ms", "TFLOP/s", "ref ms", "TFLOP/s", "ratio", "L2n128 ms", "TFLOP/s", "ratio");
+  }
   cudaStream_t s;
   BENCH_CUDA(cudaStreamCreate(&s));
+  std::vector<DType> dtypes;
   for (DType dt : {DType::kFP8, DType::kBF16}) {
     if (dtype == "fp8" && dt != DType::kFP8) continue;
     if (dtype == "bf16" && dt != DType::kBF16) continue;
-    for (const auto& sh : shapes) bench_shape(sh, dt, iters, s);
+    dtypes.push_back(dt);
   }
+  epmoe::bench::Progress progress("gemm", int(dtypes.size() * shapes.size()), out.quiet);
+  for (DType dt : dtypes)
+    for (const auto& sh : shapes) {
+      progress.step(std::string(dt == DType::kFP8 ? "fp8 " : "bf16 ") + sh.name);
+      Json j = bench_shape(sh, dt, iters, s, out);
+      j["gpu"] = prop.name;
+      const std::string line = epmoe::bench::json_line(j);
+      if (out.json_stdout()) {
+        std::fputs(line.c_str(), stdout);
+        std::fflush(stdout);
+      }
+      if (out.json_file() && !epmoe::bench::append_json_file(out, line, "gemm")) return 1;
+    }
   cudaStreamDestroy(s);
   return 0;
 }
 
 }  // namespace
 
+// The flags; every check that needs no GPU runs before the GPU count is read.
+epmoe::bench::Run setup_gemm(CLI::App& app) {
+  auto f = std::make_shared<GemmFlags>();
+  app.add_option("--dtype", f->dtype, "which kernels: fp8, bf16 or both")
+      ->check(CLI::IsMember({"fp8", "bf16", "both"}))
+      ->capture_default_str();
+  app.add_option("--iters", f->iters, "calls per timed batch (median of 5 batches)")->capture_default_str();
+  app.add_flag("--quick", f->quick, "only the first two built-in shapes");
+  app.add_option("--shape", f->shapes,
+                 "G,M,N,K: G groups of M rows, N x K weights, instead of the built-in list (repeatable; N and K "
+                 "multiples of 128)")
+      ->type_name("G,M,N,K")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.footer("Prints one row per (dtype, shape): the L2 and L1 kernels, the cuBLAS(Lt) reference and, for FP8, the "
+             "128-column L2 tile. Without a GPU it says so and exits 0.");
+  return [f](const Output& out) { return run_gemm(*f, out); };
+}
+
 EPMOE_BENCH_COMMAND("gemm", "grouped GEMM TFLOP/s per shape vs cuBLASLt (FP8 block-scaled) and cuBLAS grouped (BF16)",
-                    run_gemm);
+                    setup_gemm);

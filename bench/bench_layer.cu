@@ -75,7 +75,8 @@ struct Options {
   std::vector<int> tokens;
   std::vector<std::string> paths;
   int iters = 50, warmup = 10, sets = 4;
-  bool graph = true, json = false;
+  bool graph = true;
+  Output out;  // --json, --quiet
   double peak_tflops = 0, hbm_gbs = 4200;
   PartialPrecision partials = PartialPrecision::kFloat32;
 };
@@ -109,6 +110,9 @@ Traffic count_traffic(const ref::Problem& p, const std::vector<ref::Routed>& all
 }
 
 Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
+  // With a bare --json the JSON lines replace the table on stdout (the format this benchmark has
+  // always printed); with --json FILE the table prints and the lines go to FILE, rank by rank.
+  const bool json_stdout = o.out.json_stdout(), json_file = o.out.json_file();
   const int R = ctx.size, me = ctx.rank;
   std::unique_ptr<Communicator> comm;
   EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, me, R, &comm));
@@ -166,10 +170,12 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   p.R = R; p.E = cfg.num_experts; p.H = H; p.I = I; p.K = cfg.topk; p.T_max = t_max;
   p.dtype = fp8 ? ref::DType::kFP8 : ref::DType::kBF16;
 
-  std::ostringstream out;
+  std::ostringstream out, jout;  // this rank's table (or JSON lines on stdout); its --json file lines
+  Progress progress("layer", int(o.tokens.size()), o.out.quiet || me != 0);
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : (fp8 ? 1360.0 : 790.0);
   const int64_t elem = fp8 ? 1 : 2;
   for (int T : o.tokens) {
+    progress.step("tokens " + std::to_string(T));
     const std::vector<int> T_all(R, T);
     // Input sets, rotated so that repeats do not run from L2.
     const int sets = std::max(1, o.sets);
@@ -334,24 +340,36 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
                       stats_of(comm_ph[5]).median);
         stages = buf;
       }
-      char line[768];
-      if (o.json) {
-        std::snprintf(line, sizeof(line),
-                      "{\"rank\":%d,\"path\":\"%s\",\"shape\":\"%s\",\"dtype\":\"%s\",\"tokens\":%d,\"median_us\":%.2f,"
-                      "\"p10_us\":%.2f,\"p90_us\":%.2f,\"tflops\":%.1f,\"rows\":%.0f,\"nvlink_bytes\":%.0f,"
-                      "\"floor_us\":%.2f,\"ratio_to_floor\":%.3f,\"graph\":%s}\n",
-                      me, path_name.c_str(), o.shape.name.c_str(), fp8 ? "fp8" : "bf16", T, st.median, st.p10,
-                      st.p90, flops / (st.median * 1e-6) / 1e12, rows, nvlink, floor_us, st.median / floor_us,
-                      o.graph ? "true" : "false");
-      } else {
+      if (json_stdout || json_file) {
+        // The fields, names and order of the hand-written lines this replaced; numbers rounded to
+        // the digits those printed.
+        Json j;
+        j["rank"] = me;
+        j["path"] = path_name;
+        j["shape"] = o.shape.name;
+        j["dtype"] = fp8 ? "fp8" : "bf16";
+        j["tokens"] = T;
+        j["median_us"] = json_number(st.median, 2);
+        j["p10_us"] = json_number(st.p10, 2);
+        j["p90_us"] = json_number(st.p90, 2);
+        j["tflops"] = json_number(flops / (st.median * 1e-6) / 1e12, 1);
+        j["rows"] = json_number(rows, 0);
+        j["nvlink_bytes"] = json_number(nvlink, 0);
+        j["floor_us"] = json_number(floor_us, 2);
+        j["ratio_to_floor"] = json_number(st.median / floor_us, 3);
+        j["graph"] = o.graph;
+        (json_stdout ? out : jout) << json_line(j);
+      }
+      if (!json_stdout) {
+        char line[768];
         std::snprintf(line, sizeof(line),
                       "  %4d  %-8s %6d %10.1f %9.1f %9.1f %8.1f %10.0f %9.2f %8.1f %7.2fx  %s\n", me,
                       path_name.c_str(), T, st.median, st.p10, st.p90, flops / (st.median * 1e-6) / 1e12, rows,
                       nvlink / 1e6, floor_us, st.median / floor_us, stages.c_str());
+        out << line;
       }
-      out << line;
     }
-    if (!o.json && path_median.size() == 2 && path_median[0] > 0 && path_median[1] > 0)
+    if (!json_stdout && path_median.size() == 2 && path_median[0] > 0 && path_median[1] > 0)
       out << "        " << o.paths[1] << " / " << o.paths[0] << " time ratio at T=" << T << ": "
           << path_median[1] / path_median[0] << "\n";
     for (int s = 0; s < sets; ++s) {
@@ -365,6 +383,8 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     if (r == me) {
       std::fputs(out.str().c_str(), stdout);
       std::fflush(stdout);
+      if (json_file && !append_json_file(o.out, jout.str(), "layer"))
+        return Status(StatusCode::kInvalidArgument, "cannot write the --json file");
     }
   }
   EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
@@ -385,54 +405,65 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   return Status::Ok();
 }
 
-int run_layer(const std::vector<std::string>& args) {
-  Flags f(args);
-  const auto unknown = f.unknown({"ranks", "shape", "dtype", "tokens", "routing", "path", "iters", "warmup",
-                                  "sets", "graph", "json", "peak-tflops", "hbm-gbs", "timeout", "partials"});
-  if (!unknown.empty()) {
-    std::fprintf(stderr, "epmoe-bench layer: unknown flag --%s\n", unknown[0].c_str());
-    return 2;
-  }
+// The flags as given; checked by run_layer (before it looks for GPUs) with the messages below.
+struct LayerFlags {
+  std::string shape = "dsv3", dtype = "fp8", partials = "fp32", routing = "uniform", path = "pipeline,fused";
+  std::vector<int> tokens = {1, 128, 1024, 4096};
+  int ranks = 0;
+  bool ranks_given = false;  // else one rank per visible GPU
+  int iters = 50, warmup = 10, sets = 4, graph = 1;
+  double peak_tflops = 0, hbm_gbs = 4200, timeout = 540;
+};
+
+int run_layer(const LayerFlags& f, const Output& output) {
   Options o;
-  if (!shape_by_name(f.str("shape", "dsv3"), &o.shape)) {
+  o.out = output;
+  if (!shape_by_name(f.shape, &o.shape)) {
     std::fprintf(stderr, "epmoe-bench layer: --shape must be dsv3, dsv3full, qwen3 or top2\n");
     return 2;
   }
-  const std::string dt = f.str("dtype", "fp8");
+  const std::string& dt = f.dtype;
   if (dt != "fp8" && dt != "bf16") {
     std::fprintf(stderr, "epmoe-bench layer: --dtype must be fp8 or bf16\n");
     return 2;
   }
   o.dtype = dt == "fp8" ? DType::kFP8 : DType::kBF16;
-  const std::string partials = f.str("partials", "fp32");
+  const std::string& partials = f.partials;
   if (partials != "fp32" && partials != "bf16") {
     std::fprintf(stderr, "epmoe-bench layer: --partials must be fp32 or bf16\n");
     return 2;
   }
   o.partials = partials == "fp32" ? PartialPrecision::kFloat32 : PartialPrecision::kBFloat16;
-  if (!routing_by_name(f.str("routing", "uniform"), &o.routing)) {
+  if (!routing_by_name(f.routing, &o.routing)) {
     std::fprintf(stderr, "epmoe-bench layer: unknown --routing (uniform, zipf, one_expert, one_rank, masked, duplicate_ranks)\n");
     return 2;
   }
-  for (auto& t : f.list("tokens", "1,128,1024,4096")) o.tokens.push_back(std::atoi(t.c_str()));
-  o.paths = f.list("path", "pipeline,fused");
+  o.tokens = f.tokens;
+  o.paths = split_list(f.path);
+  if (o.paths.empty()) {
+    std::fprintf(stderr, "epmoe-bench layer: --path takes pipeline and/or fused\n");
+    return 2;
+  }
   for (auto& pth : o.paths)
     if (pth != "pipeline" && pth != "fused") {
       std::fprintf(stderr, "epmoe-bench layer: --path takes pipeline and/or fused\n");
       return 2;
     }
-  o.iters = f.integer("iters", 50);
-  o.warmup = f.integer("warmup", 10);
-  o.sets = f.integer("sets", 4);
-  o.graph = f.integer("graph", 1) != 0;
-  o.json = f.has("json");
-  o.peak_tflops = f.real("peak-tflops", 0);
-  o.hbm_gbs = f.real("hbm-gbs", 4200);
+  o.iters = f.iters;
+  o.warmup = f.warmup;
+  o.sets = f.sets;
+  o.graph = f.graph != 0;
+  o.peak_tflops = f.peak_tflops;
+  o.hbm_gbs = f.hbm_gbs;
+  if (o.iters < 1 || o.warmup < 0 || o.sets < 1) {
+    std::fprintf(stderr, "epmoe-bench layer: --iters and --sets must be >= 1, --warmup >= 0\n");
+    return 2;
+  }
 
   const int gpus = probe_gpu_count();
   // Why at least 1: without GPUs the default would be 0 ranks, reported as a bad flag; the check
   // below says what is missing instead.
-  const int ranks = parse_ranks_flag(args, std::max(gpus, 1));
+  const int ranks = f.ranks_given ? f.ranks : std::max(gpus, 1);
   if (ranks < 1) {
     std::fprintf(stderr, "epmoe-bench layer: bad --ranks\n");
     return 2;
@@ -450,7 +481,7 @@ int run_layer(const std::vector<std::string>& args) {
     std::printf("epmoe-bench layer: needs %d GPU(s), %d visible. Nothing to measure here.\n", std::max(ranks, 1), gpus);
     return gpus == 0 ? 0 : 1;
   }
-  if (!o.json) {
+  if (!o.out.json_stdout()) {
     std::printf("epmoe-bench layer: shape %s (E/rank %d, H %d, I %d, K %d), %s, routing %s, %s combine partials, "
                 "%d ranks, %s, iters %d\n",
                 o.shape.name.c_str(), o.shape.experts_per_rank, o.shape.hidden, o.shape.inter, o.shape.topk,
@@ -462,7 +493,7 @@ int run_layer(const std::vector<std::string>& args) {
   }
   LaunchOptions lo;
   lo.num_ranks = ranks;
-  lo.timeout_seconds = f.real("timeout", 540);
+  lo.timeout_seconds = f.timeout;
   const LaunchResult r = launch_ranks(lo, [&](const RankContext& ctx) {
     std::string report;
     return run_rank(ctx, o, &report);
@@ -474,8 +505,40 @@ int run_layer(const std::vector<std::string>& args) {
   return 0;
 }
 
+// The flags; parsed in the parent before it looks for GPUs.
+Run setup_layer(CLI::App& app) {
+  auto f = std::make_shared<LayerFlags>();
+  CLI::Option* ranks = app.add_option("--ranks", f->ranks, "processes, one GPU each [default: every visible GPU]");
+  app.add_option("--shape", f->shape, "dsv3 (32 experts/rank, H 7168, I 2048, K 8), dsv3full (256 experts over "
+                                      "the ranks), qwen3 (64, 2048, 768, 8) or top2 (16, 2048, 2048, 2)")
+      ->capture_default_str();
+  app.add_option("--dtype", f->dtype, "fp8 or bf16")->capture_default_str();
+  add_int_list(app, "--tokens", &f->tokens, "tokens per rank, one case each (0 allowed)", 0);
+  app.add_option("--routing", f->routing, "uniform, zipf, one_expert, one_rank, masked or duplicate_ranks")
+      ->capture_default_str();
+  app.add_option("--path", f->path, "pipeline and/or fused, timed call by call in turn")
+      ->type_name("P,P")
+      ->capture_default_str();
+  app.add_option("--partials", f->partials, "combine partials: fp32 or bf16")->capture_default_str();
+  app.add_option("--iters", f->iters, "timed calls per path")->capture_default_str();
+  app.add_option("--warmup", f->warmup, "untimed calls per path before them")->capture_default_str();
+  app.add_option("--sets", f->sets, "input sets rotated so that repeats do not run from L2")->capture_default_str();
+  app.add_option("--graph", f->graph, "1: CUDA graphs, 0: direct launches (a bare --graph is 1)")
+      ->expected(0, 1)
+      ->default_str("1");
+  app.add_option("--peak-tflops", f->peak_tflops, "roofline peak [default: 1360 fp8, 790 bf16]");
+  app.add_option("--hbm-gbs", f->hbm_gbs, "roofline HBM GB/s")->capture_default_str();
+  app.add_option("--timeout", f->timeout, "seconds before the ranks are killed")->capture_default_str();
+  app.footer("Prints per rank, path and token count: median / p10 / p90 us, TFLOP/s, rows, NVLink MB, the roofline "
+             "floor and the per-stage split. Without a GPU it says so and exits 0.");
+  return [f, ranks](const Output& out) {
+    f->ranks_given = ranks->count() > 0;
+    return run_layer(*f, out);
+  };
+}
+
 }  // namespace
 
-EPMOE_BENCH_COMMAND("layer", "the whole MoE layer per rank: --shape dsv3|dsv3full|qwen3|top2 --dtype fp8|bf16 --tokens 1,128,4096 --path pipeline,fused --partials fp32|bf16", run_layer);
+EPMOE_BENCH_COMMAND("layer", "the whole MoE layer per rank, pipeline and fused paths", setup_layer);
 
 }  // namespace epmoe::bench

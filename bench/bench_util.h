@@ -1,13 +1,20 @@
-// Small helpers shared by epmoe-bench subcommands: flags, statistics, tables.
+// Small helpers shared by epmoe-bench subcommands: list flags, JSON lines, progress, statistics.
 #pragma once
 
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <map>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "bench_registry.h"
 
 namespace epmoe::bench {
 
@@ -19,43 +26,96 @@ inline void comm_phase_spans_us(const unsigned long long* ts, int base, double o
   out[2] = (double(ts[base + 3]) - double(ts[base + 2])) / 1e3;
 }
 
-// --name=value or --name value; a bare --name is "1".
-class Flags {
+// "a,b,,c" -> {"a", "b", "c"} (empty items are dropped).
+inline std::vector<std::string> split_list(const std::string& v) {
+  std::vector<std::string> out;
+  std::stringstream ss(v);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// A comma-separated list of integers, each >= min_value ("--tokens 1,128,4096"). A malformed item
+// is a parse error (exit code 2) that names the flag and the item.
+inline std::vector<int> parse_int_list(const std::string& flag, const std::string& v, int min_value) {
+  std::vector<int> out;
+  std::stringstream ss(v);
+  for (std::string item; std::getline(ss, item, ',');) {
+    int n = 0;
+    const char* end = item.data() + item.size();
+    const auto [ptr, ec] = std::from_chars(item.data(), end, n);
+    if (item.empty() || ec != std::errc() || ptr != end)
+      throw CLI::ValidationError(flag, "'" + item + "' in '" + v + "' is not an integer (want a list like 1,128,4096)");
+    if (n < min_value)
+      throw CLI::ValidationError(flag, "'" + item + "' in '" + v + "' is below " + std::to_string(min_value));
+    out.push_back(n);
+  }
+  if (out.empty()) throw CLI::ValidationError(flag, "an empty list");
+  return out;
+}
+
+inline std::string join_ints(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+// Adds `flag` as a list of integers that replaces *out (its current value is the default shown).
+inline CLI::Option* add_int_list(CLI::App& app, const std::string& flag, std::vector<int>* out,
+                                 const std::string& help, int min_value) {
+  return app
+      .add_option_function<std::string>(
+          flag, [flag, out, min_value](const std::string& v) { *out = parse_int_list(flag, v, min_value); }, help)
+      ->type_name("N,N,...")
+      ->default_str(join_ints(*out));
+}
+
+// ---- JSON output (--json) -----------------------------------------------------------------------
+// One object per measured case and line (JSON lines); keys keep their insertion order.
+using Json = nlohmann::ordered_json;
+
+// v rounded to `digits` decimals, as the tables print it; NaN and infinities become null.
+inline Json json_number(double v, int digits) {
+  if (!std::isfinite(v)) return nullptr;
+  if (digits == 0) return static_cast<long long>(std::llround(v));
+  const double p = std::pow(10.0, digits);
+  return std::round(v * p) / p;
+}
+
+inline std::string json_line(const Json& j) { return j.dump() + "\n"; }
+
+// Appends `text` to the --json file (main.cpp created it empty before the run).
+inline bool append_json_file(const Output& out, const std::string& text, const char* mode) {
+  std::ofstream f(out.json, std::ios::app);
+  f << text;
+  f.flush();
+  if (!f) {
+    std::fprintf(stderr, "epmoe-bench %s: cannot append to --json file '%s'\n", mode, out.json.c_str());
+    return false;
+  }
+  return true;
+}
+
+// ---- progress (stderr) ----------------------------------------------------------------------------
+// "epmoe-bench gemm: [3/16] fp8 (32,256,4096,7168) (12.3 s)": one line as each case starts, on
+// stderr, so that the tables on stdout stay as they are. --quiet turns it off.
+class Progress {
  public:
-  explicit Flags(const std::vector<std::string>& args) {
-    for (size_t i = 0; i < args.size(); ++i) {
-      const std::string& a = args[i];
-      if (a.rfind("--", 0) != 0) { positional_.push_back(a); continue; }
-      const size_t eq = a.find('=');
-      if (eq != std::string::npos) { values_[a.substr(2, eq - 2)] = a.substr(eq + 1); continue; }
-      if (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) values_[a.substr(2)] = args[++i];
-      else values_[a.substr(2)] = "1";
-    }
-  }
-  bool has(const std::string& k) const { return values_.count(k) > 0; }
-  std::string str(const std::string& k, const std::string& def) const {
-    auto it = values_.find(k);
-    return it == values_.end() ? def : it->second;
-  }
-  int integer(const std::string& k, int def) const { return has(k) ? std::atoi(str(k, "").c_str()) : def; }
-  double real(const std::string& k, double def) const { return has(k) ? std::atof(str(k, "").c_str()) : def; }
-  std::vector<std::string> list(const std::string& k, const std::string& def) const {
-    std::vector<std::string> out;
-    std::stringstream ss(str(k, def));
-    for (std::string item; std::getline(ss, item, ',');) if (!item.empty()) out.push_back(item);
-    return out;
-  }
-  // Flags given but not in `known`: a typo should fail loudly, not run the default.
-  std::vector<std::string> unknown(const std::vector<std::string>& known) const {
-    std::vector<std::string> bad;
-    for (auto& [k, v] : values_)
-      if (std::find(known.begin(), known.end(), k) == known.end()) bad.push_back(k);
-    return bad;
+  Progress(const char* mode, int total, bool quiet)
+      : mode_(mode), total_(total), quiet_(quiet), t0_(std::chrono::steady_clock::now()) {}
+  void step(const std::string& what) {
+    ++done_;
+    if (quiet_) return;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    std::fprintf(stderr, "epmoe-bench %s: [%d/%d] %s (%.1f s)\n", mode_, done_, total_, what.c_str(), s);
+    std::fflush(stderr);
   }
 
  private:
-  std::map<std::string, std::string> values_;
-  std::vector<std::string> positional_;
+  const char* mode_;
+  int total_, done_ = 0;
+  bool quiet_;
+  std::chrono::steady_clock::time_point t0_;
 };
 
 struct Stats {

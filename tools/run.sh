@@ -6,10 +6,11 @@ cd "$(dirname "$0")/.."
 build=${EPMOE_BUILD:-build}
 bash tools/deps.sh
 export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+good_nccl=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
+# The GPU machines' NCCL >= 2.28.9 first in the RUNPATH (the library's default has no such path).
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_EXTRA_RPATH="${EPMOE_EXTRA_RPATH:-$good_nccl}" >/dev/null
 cmake --build "$build" -j "$(nproc)"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-good_nccl=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 [ -d "$good_nccl" ] && export LD_LIBRARY_PATH=$good_nccl:${LD_LIBRARY_PATH:-}
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${gpus:-0}" -eq 0 ]; then

@@ -19,7 +19,10 @@ if [ ! -d "$tree" ]; then
 else
   git -C "$tree" checkout -q --detach "$commit"
 fi
-cmake -S "$tree" -B build-ab/build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+# The GPU machines' NCCL first in the RUNPATH, as tools/stage_gpu.sh does (older commits had it as
+# their default; newer ones default to none).
+cmake -S "$tree" -B build-ab/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DEPMOE_EXTRA_RPATH="${EPMOE_EXTRA_RPATH:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}" >/dev/null
 cmake --build build-ab/build --target epmoe-bench -j "$(nproc)"
 mkdir -p .gpu/bin
 cp build-ab/build/epmoe-bench .gpu/bin/epmoe-bench-old

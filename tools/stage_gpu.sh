@@ -6,7 +6,12 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 build=${build%/}
 export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=OFF >/dev/null
+# The GPU machines' NCCL >= 2.28.9 (their system libnccl is older and ABI-incompatible): first in
+# the binaries' RUNPATH. The library's own default has no machine-specific path.
+gpu_rpath=${EPMOE_EXTRA_RPATH:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+# EPMOE_BUILD_PROBES: the probes of tools/probes are staged too (bash tools/gpu_all.sh probe).
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=OFF -DEPMOE_BUILD_PROBES=ON \
+  -DEPMOE_EXTRA_RPATH="$gpu_rpath" >/dev/null
 cmake --build "$build" -j "$(nproc)"
 rm -rf .gpu/bin && mkdir -p .gpu/bin
 for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe epmoe-gather-probe; do
@@ -16,7 +21,7 @@ done
 # epmoe-bench-trace, for bash tools/gpu_all.sh trace.
 if [ "${EPMOE_STAGE_TRACE:-0}" = 1 ]; then
   cmake -S . -B "$build-trace" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=ON -DEPMOE_BUILD_TESTS=OFF \
-    -DEPMOE_BUILD_PYTHON=OFF >/dev/null
+    -DEPMOE_BUILD_PYTHON=OFF -DEPMOE_EXTRA_RPATH="$gpu_rpath" >/dev/null
   cmake --build "$build-trace" --target epmoe-bench -j "$(nproc)"
   cp "$build-trace/epmoe-bench" .gpu/bin/epmoe-bench-trace && strip --strip-debug .gpu/bin/epmoe-bench-trace
 fi
@@ -24,5 +29,6 @@ if [ -f "$build/python/libepmoe_c.so" ]; then
   cp "$build/python/libepmoe_c.so" .gpu/bin/ && strip --strip-debug .gpu/bin/libepmoe_c.so
 fi
 # The Python package as a wheel (py3-none: no CPython ABI), so the GPU run tests the installed package.
-python3 -m pip wheel -q --no-deps -w .gpu/bin ./python >/dev/null 2>&1 || echo "stage_gpu: python wheel build failed"
+python3 -m pip wheel -q --no-deps -w .gpu/bin -C cmake.define.EPMOE_EXTRA_RPATH="$gpu_rpath" ./python \
+  >/dev/null 2>&1 || echo "stage_gpu: python wheel build failed"
 du -sh .gpu/bin
