@@ -116,6 +116,17 @@ peer_setup() {
   python3 -m pip install -q --no-index --no-deps --target /tmp/peers .gpu/peers/wheels/*.whl >/dev/null 2>&1 || return 1
   export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1
 }
+# The FP8 accuracy statistics at EPMOE_TEST_RANKS (default 1): the disabled evidence tests (per-call
+# rel_l2 quantiles against the float64 reference and against the kernel-consistent one, fused ==
+# pipeline on every call), then EPMOE_E2E_REPEATS (default 100) repeats of the small cases.
+if [ "$mode" = e2e-stats ]; then
+  export EPMOE_TEST_RANKS=${EPMOE_TEST_RANKS:-1}
+  step e2e_evidence "${EPMOE_EVIDENCE_LIMIT:-240}" "$bin/epmoe_mgpu_tests" --gtest_also_run_disabled_tests \
+    --gtest_filter="${EPMOE_EVIDENCE_FILTER:-LayerE2EEvidence.*}"
+  step e2e_small_repeats "${EPMOE_REPEAT_LIMIT:-300}" "$bin/epmoe_mgpu_tests" --gtest_brief=1 \
+    --gtest_filter='LayerE2E*.Small*:LayerE2E*.UnequalTokens' --gtest_repeat="${EPMOE_E2E_REPEATS:-100}"
+  finish
+fi
 if [ "$mode" = peer-gemm ]; then
   peer_setup || { summary+=("peer_setup: FAILED"); finish; }
   shapes=${EPMOE_PEER_SHAPES:-8,4096,4096,7168 8,4096,7168,2048 32,1024,4096,7168 32,1024,7168,2048}

@@ -14,6 +14,8 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=OF
   -DEPMOE_EXTRA_RPATH="$gpu_rpath" >/dev/null
 cmake --build "$build" -j "$(nproc)"
 rm -rf .gpu/bin && mkdir -p .gpu/bin
+# The peers of ../shared/peers (DeepGEMM's wheels and their scripts) for gpu_all.sh peer-gemm.
+if [ -d ../shared/peers ]; then rm -rf .gpu/peers && cp -r ../shared/peers .gpu/peers && chmod -R u+w .gpu/peers; fi
 for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe epmoe-gather-probe; do
   [ -x "$build/$b" ] && cp "$build/$b" .gpu/bin/ && strip --strip-debug .gpu/bin/$b || true
 done
