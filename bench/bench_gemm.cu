@@ -85,7 +85,7 @@ std::vector<int> zipf_rows(int groups, int total, double s) {
 // the fns take turns rep by rep. Why in turns: under the GPUs' power cap the clock drifts down over
 // a few hundred ms of FP8 work, and whichever kernel was timed later took the slower clock (the L1
 // kernel, timed after the L2 one, read 15-20% slower back to back while ncu measured the two within
-// 2% of each other in cycles, docs/PERFORMANCE.md); taking turns gives every kernel the same drift.
+// 2% of each other in cycles); taking turns gives every kernel the same drift (docs/DESIGN.md).
 // A null fn is skipped (its entry is NaN).
 std::vector<double> time_ms_turns(const std::vector<std::function<void()>>& fns, int iters, cudaStream_t s) {
   for (const auto& fn : fns)
@@ -306,8 +306,8 @@ Json bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s, const Out
   const double flops = 2.0 * double(total_rows) * sh.n * sh.k;
   const double bytes = double(G) * sh.n * sh.k * el + double(total_rows) * sh.k * el + double(total_rows) * sh.n * 2;
   // Planned once, as the layer does; the timed loop only launches.
-  // FP8 L2 on both tile widths (docs/GEMM.md note 33): "L2" is the 256-column kernel, "L2n128" the
-  // 128-column one; BF16 has only the first.
+  // FP8 L2 on both tile widths (the 128-column one is opt-in, docs/DESIGN.md): "L2" is the
+  // 256-column kernel, "L2n128" the 128-column one; BF16 has only the first.
   gemm::GemmPlan plan_l2, plan_l2n, plan_l1;
   const epmoe::Status st2 =
       gemm::plan_l2(dt, args, b.a, b.as, b.w, b.ws, sh.k, sh.n, b.out, &plan_l2, gemm::L2Tile::kN256);

@@ -69,7 +69,7 @@ Status l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_sc
 // ---- L2: o = a W2^T, accumulated in fp32, bf16 out [max_rows][H] ---------------------------------
 // FP8: a e4m3 [max_rows][I] with a_scale [I/128][scale_stride]; BF16: a bf16 [max_rows][I].
 // The FP8 L2 kernel's tile: 128 x 256 with the "halves" mainloop, or 128 x 128 with two scratch
-// accumulators (docs/GEMM.md note 33). kAuto: the library's choice; the environment variable
+// accumulators (opt-in, docs/DESIGN.md). kAuto: the library's choice; the environment variable
 // EPMOE_L2_TILE_N=256 or 128 overrides it (A/B measurements; BF16 then keeps 256). kN128 with
 // BF16 is an InvalidArgument.
 enum class L2Tile { kAuto, kN256, kN128 };

@@ -65,7 +65,7 @@ inline constexpr uint32_t kMathBarrierBase = 1;
 inline constexpr uint32_t kBothMathBarrier = 4;
 
 // kTileN_: output columns per tile, kBlockN or 128. 128 is the FP8 L2 kernel with two scratch
-// accumulators (sm90_mainloop_fp8_n128.cuh, docs/GEMM.md note 33), standalone only, run as CTA
+// accumulators (sm90_mainloop_fp8_n128.cuh, opt-in, docs/DESIGN.md), standalone only, run as CTA
 // pairs (clusters of 2 along M sharing each weight tile through TMA multicast: kPair).
 template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kTileN_ = kBlockN>
 struct Sm90GroupedGemmConfig {
