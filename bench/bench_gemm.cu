@@ -85,7 +85,7 @@ std::vector<int> zipf_rows(int groups, int total, double s) {
 // the fns take turns rep by rep. Why in turns: under the GPUs' power cap the clock drifts down over
 // a few hundred ms of FP8 work, and whichever kernel was timed later took the slower clock (the L1
 // kernel, timed after the L2 one, read 15-20% slower back to back while ncu measured the two within
-// 2% of each other in cycles, docs/PERFORMANCE.md); taking turns gives every kernel the same drift.
+// 2% of each other in cycles); taking turns gives every kernel the same drift (docs/DESIGN.md).
 // A null fn is skipped (its entry is NaN).
 std::vector<double> time_ms_turns(const std::vector<std::function<void()>>& fns, int iters, cudaStream_t s) {
   for (const auto& fn : fns)

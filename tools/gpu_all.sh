@@ -12,7 +12,7 @@
 # megakernel at 0 / 1 / 128 tokens on every local GPU, from the trace build that
 # EPMOE_STAGE_TRACE=1 bash tools/stage_gpu.sh adds as epmoe-bench-trace; probe: the wgmma
 # structure probe twice, then ncu's shared-memory traffic of its fed and unfed variants and of the
-# FP8 L2 and L1 GEMM kernels at (8, 4096, 4096, 7168), docs/GEMM.md note 32)
+# FP8 L2 and L1 GEMM kernels at (8, 4096, 4096, 7168))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-full}
@@ -178,7 +178,7 @@ if [ "$mode" = single ]; then
     step python_binding 150 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so" 1
   fi
   step bench_gemm 150 "$bin/epmoe-bench" gemm
-  # The cp.async row-gather feed (docs/GEMM.md note 36), a few seconds.
+  # The cp.async row-gather feed (why gathered FP8 L1 was dropped, docs/DESIGN.md), a few seconds.
   step gather_probe 60 "$bin/epmoe-gather-probe"
   for v in auto inline deferred; do
     [ "$v" = auto ] && unset EPMOE_FUSED_EPILOGUE || export EPMOE_FUSED_EPILOGUE=$v
@@ -252,7 +252,7 @@ if [ "$mode" = diag ]; then
 fi
 if [ "$mode" = sanitize ]; then
   # compute-sanitizer racecheck and synccheck on GEMM tests that reuse ring stages and run the
-  # deferred epilogues (docs/GEMM.md notes 19-20: one known racecheck report on the FP8 scale loads
+  # deferred epilogues (docs/DEVELOPING.md: one known racecheck report on the FP8 scale loads
   # against the warp-delegated stage release). In a block without full L2 tiles the storer waits
   # the whole kernel in one bounded (10 s) wait: keep the cases small under the sanitizer.
   san=$(command -v compute-sanitizer || echo /nonexistent/compute-sanitizer)
@@ -280,8 +280,8 @@ fi
 if [ "$mode" = profile-fused ]; then
   # One GPU (--ranks 1: no peer to wait for, so ncu can replay the kernel): the fused kernel and
   # the pipeline's L1 GEMM kernel at 4096 tokens (the same per-rank GEMM work as R = 2), sections
-  # as text and per-instruction stall samples as CSV. Why: the fused path's L1 phase is slower
-  # than the pipeline's L1 kernel (docs/MEGAKERNEL.md) and ncu cannot replay the 2-rank kernel.
+  # as text and per-instruction stall samples as CSV. Why: the fused path's L1 phase was measured
+  # slower than the pipeline's L1 kernel, and ncu cannot replay the 2-rank kernel.
   # EPMOE_PROFILE_TOKENS (default 4096): the token counts to profile; at <= 128 tokens the
   # pipeline's combine kernel is profiled instead of its L1 kernel (the decode gap is in combine).
   for T in ${EPMOE_PROFILE_TOKENS:-4096}; do
@@ -302,7 +302,7 @@ fi
 if [ "$mode" = probe ]; then
   step wgmma_probe_1 120 "$bin/epmoe-wgmma-probe" 4000
   step wgmma_probe_2 120 "$bin/epmoe-wgmma-probe" 4000
-  # Shared-memory traffic against tensor use (docs/GEMM.md note 32): wgmma operand reads (LSU
+  # Shared-memory traffic against tensor use: wgmma operand reads (LSU
   # wavefronts of op gmma, 128 B each), TMA fills (xbar2l1tex bytes), both as % of their peaks.
   m=sm__cycles_elapsed.max,sm__cycles_elapsed.avg.per_second
   m+=,sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed
@@ -323,7 +323,7 @@ if [ "$mode" = probe ]; then
   finish
 fi
 if [ "$mode" = n128 ]; then
-  # The FP8 L2 kernel on 128-column tiles (docs/GEMM.md note 33): the GEMM tests, the benchmark
+  # The FP8 L2 kernel on 128-column tiles (opt-in, docs/DESIGN.md): the GEMM tests, the benchmark
   # (its L2n128 column) at the standard shapes and a K sweep, ncu's tensor activity of both L2
   # kernels at the two layer shapes, the R = 1 pipeline e2e tests and the layer with either tile.
   step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1

@@ -257,7 +257,7 @@ def test_forward_reaches_the_library(layer, fake):
 
 
 def test_forward_path_default_and_fused(layer, fake):
-    # The default is the pipeline (the faster path today, docs/PYTHON.md); "fused" reaches the
+    # The default is the pipeline (the faster path from 4096 tokens up, docs/PYTHON.md); "fused" reaches the
     # library as its own code.
     layer(**args(fake), stream=5)
     layer(**args(fake), path="fused", stream=5)

@@ -311,10 +311,10 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   int fused_grid_ = 0;                // cooperative grid of the megakernel
   int fused_epilogue_ = 0;            // 0: per call (fused_deferred), 1: inline, 2: deferred
   // K blocks of its first L1 weight tile each block of the megakernel prefetches into L2 during the
-  // pull. Why 0: since the GEMM tiles wait for their rows and not for a grid barrier (twelfth
-  // session), the prefetch's 34 MB (8 K blocks) only delayed the pull; at R = 1 no prefetch was
-  // fastest at 1, 8 and 128 tokens (docs/MEGAKERNEL.md). To be measured again at R >= 2, where the
-  // pull waits on NVLink.
+  // pull. Why 0: since the GEMM tiles wait for their rows and not for a grid barrier, the
+  // prefetch's 34 MB (8 K blocks) only delayed the pull; at R = 1 no prefetch was fastest at 1, 8
+  // and 128 tokens (docs/DESIGN.md, "The megakernel's schedule"). To be measured again at R >= 2,
+  // where the pull waits on NVLink.
   int fused_prefetch_ = 0;
   int fused_b_first_ = -1;  // -1: per call (fused_b_first), 0: off, 1: on
   int fused_claim_ = -1;    // -1: per call (fused_claim), 0: off, 1: on
@@ -323,8 +323,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // experts_per_rank, with every rank at num_tokens), so the pull is a few units, the weight
   // stream is the critical path and every weight tile is read once. Both paths then load weights
   // with an L2 evict-first policy (gemm::launch), and the megakernel's producers load a tile's
-  // weights before its rows are ready (fused_b_first). Measured at R = 1 (docs/MEGAKERNEL.md,
-  // twelfth session): each gains at 1 token and costs at 8 or 128.
+  // weights before its rows are ready (fused_b_first). Measured at R = 1 (docs/DESIGN.md): each
+  // gains at 1 token and costs at 8 or 128.
   bool tiny_call(int num_tokens) const {
     return int64_t(num_tokens) * cfg_.topk <= int64_t(cfg_.experts_per_rank());
   }
@@ -333,8 +333,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     return tiny_call(num_tokens);
   }
   // Whether the megakernel's blocks claim their GEMM tiles from a grid-wide counter (the dynamic
-  // order) rather than take them in the static order. Measured at R = 1 (docs/MEGAKERNEL.md,
-  // thirteenth session, three rounds): claims took 90 us off 4096 tokens, 70 off 8192, 35 off
+  // order) rather than take them in the static order. Measured at R = 1 (three rounds,
+  // docs/DESIGN.md, "The megakernel's schedule"): claims took 90 us off 4096 tokens, 70 off 8192, 35 off
   // 1024 and 17 off 8; in tiny calls they were 2-10 us slower at 1-2 tokens (means of two calls;
   // also with each block's first tile static) and level at 4, so they stay off there, where the
   // decode calls of 1-2 tokens are.
@@ -347,7 +347,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // stores of full tiles by a storer thread) once an expert holds 256 rows on average
   // (num_tokens x topk / experts_per_rank, with every rank at num_tokens), i.e. most tiles are
   // full; below that most tiles are partial, which only the inline store handles, and the decode
-  // variant spills less (docs/MEGAKERNEL.md, configuration per regime).
+  // variant spills less (docs/MEGAKERNEL.md, Configuration per call; docs/DESIGN.md).
   bool fused_deferred(int num_tokens) const {
     if (fused_epilogue_ != 0) return fused_epilogue_ == 2;
     return int64_t(num_tokens) * cfg_.topk >= int64_t(256) * cfg_.experts_per_rank();

@@ -1,4 +1,4 @@
-// The FP8 layer check of one forward call on one rank (issue 34): SPEC's end-to-end comparison
+// The FP8 layer check of one forward call on one rank: SPEC's end-to-end comparison
 // against the float64 reference, and the kernel-consistent checks of tests/reference/kernel_check.h
 // on the rows the layer left in the pools (tests/e2e/pool_rows.h).
 #pragma once
@@ -19,7 +19,7 @@ namespace epmoe::e2e {
 // printed, and the kernel-consistent checks (which hold for any sample size) are the gate.
 // Why 2048: rel_l2 of a sample is a statistic of the few e4m3 codes of step 5 that the GPU's
 // GEMM error rounds the other way. tools/probes/fp8_small_sample_tail.cpp models that error on the
-// reference's own steps; the models that reproduce issue 34 at 8 tokens of the small shape
+// reference's own steps; the models that reproduce the measured tail at 8 tokens of the small shape
 // (P(rel_l2 > 1e-2) ~2% per call, median ~4e-3: "abs" eps 2e-5 and "rel" eps 1.5e-4 to 2e-4)
 // give, by a Chernoff bound on the per-token errors, P(rel_l2 > 1e-2) <= 1e-6 from 1070 groups
 // ("abs" 2e-5) and from 941-2309 groups ("rel" 1e-4 to 2e-4; 2e-4 already gives 3.7% at 8 tokens,

@@ -122,7 +122,7 @@ double quantile(std::vector<double> v, double f) {
   return v[std::min(v.size() - 1, size_t(f * double(v.size())))];
 }
 
-// Evidence mode (issue 34): every checked call's numbers on this rank, printed at the end.
+// Evidence mode (the FP8 small-sample tail): every checked call's numbers on this rank, printed at the end.
 struct Evidence {
   std::vector<double> full, kc, window_used, flip_distance, flip_rate;
   std::vector<double> token_err2, token_ref2;

@@ -48,7 +48,7 @@ struct LayerCase {
   const char* fused_epilogue = nullptr;
   // The command line that replays this case (env + binary + gtest filter), named in every failure.
   std::string replay;
-  // Issue 34's evidence mode: every call is checked (FP8: both paths on the same inputs), no check
+  // The FP8 evidence mode: every call is checked (FP8: both paths on the same inputs), no check
   // stops the run, and each rank prints the distributions at the end (then fails if a
   // kernel-consistent check or the paths' bitwise agreement failed on any call).
   bool evidence = false;

@@ -1,5 +1,5 @@
 // The expert-pool rows of sampled tokens, read from every rank's pool after a forward call and
-// gathered to the rank that owns each token (the FP8 kernel-consistent check, issue 34).
+// gathered to the rank that owns each token (the FP8 kernel-consistent check).
 #pragma once
 
 #include <cuda_runtime_api.h>

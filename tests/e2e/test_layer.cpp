@@ -205,7 +205,7 @@ E2E_CASE(ThousandCallsFreshRoutingManyTokens, kBothPaths, 400, {
 // variant and tile claims (640 tokens: 320 rows per expert), its decode variant with claims (8
 // tokens: 4 rows per expert), and a tiny call (2 tokens: no claims), two calls each. The decode
 // and tiny calls are below N_min (tests/e2e/fp8_check.h): their rel_l2 against the float64
-// reference is printed, and the kernel-consistent checks gate them (issue 34: at 8 tokens SPEC's
+// reference is printed, and the kernel-consistent checks gate them (at 8 tokens SPEC's
 // statistic exceeds 1e-2 in ~2% of calls on a correct kernel).
 E2E_CASE(SmallThroughputTwoCalls, kBothPaths, 240, {
   LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {640, 512});
@@ -235,7 +235,7 @@ E2E_CASE(CudaGraphReplay, kBothPaths, 240, {
   return c;
 })
 
-// Issue 6's soak: 10,000 fused calls with fresh random routing each call, y checked against the
+// The megakernel's soak: 10,000 fused calls with fresh random routing each call, y checked against the
 // reference (and bitwise against the pipeline) every 2,000 calls. Its own suite so that the quick
 // GPU run can leave it out (tools/gpu_all.sh runs it in full mode).
 TEST(LayerSoak, FusedTenThousandCallsFreshRouting) {
@@ -267,7 +267,7 @@ TEST(LayerE2E, BadInputGetsClearErrors) {
   if (::testing::Test::HasFailure()) std::printf("[e2e] FAILED; replay: %s\n", replay_command(seed, ranks).c_str());
 }
 
-// ---- Issue 34's evidence (disabled by default) -----------------------------------------------
+// ---- The FP8 small-sample evidence (disabled by default) -------------------------------------
 // One layer, N calls with fresh inputs, every call checked on both paths (fused, then the pipeline
 // and a second fused call on the same inputs, bitwise); each rank prints the distributions of the
 // full-reference and kernel-consistent rel_l2, the step-5 flips, and a bootstrap of rel_l2 over
@@ -289,7 +289,7 @@ LayerCase evidence_case(LayerCase c, int calls) {
   return c;
 }
 
-// The case of issue 34: 8 tokens of the small shape (64 requantization groups per call).
+// The small-sample case: 8 tokens of the small shape (64 requantization groups per call).
 TEST(LayerE2EEvidence, DISABLED_SmallDecode) {
   run_case(evidence_case(make(kSmall, DType::kFP8, Routing::kUniform, {8, 6}), evidence_calls(300)), 2, 580);
 }

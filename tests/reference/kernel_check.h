@@ -1,4 +1,4 @@
-// Kernel-consistent checks of FP8 mode (issue 34): what a GPU path's intermediate values may
+// Kernel-consistent checks of FP8 mode: what a GPU path's intermediate values may
 // differ from the CPU reference's by, step by step, given that its GEMMs accumulate with less
 // precision than float64.
 //
@@ -32,7 +32,7 @@ namespace epmoe::ref {
 // an error of a few units of 2^-13 of its own magnitude, which is at most the block's absolute
 // sum; the promotions add one fp32 rounding per 128-K block (2^-24 each, far below). 2^-12 keeps
 // a factor 2 over one unit of 2^-13 for truncation bias across the four k=32 wgmma steps of a
-// block. Against the noise model that reproduces issue 34's small-sample tail on the CPU
+// block. Against the noise model that reproduces the FP8 small-sample tail on the CPU
 // (tools/probes/fp8_small_sample_tail.cpp, "abs" with eps 2e-5: a Gaussian error of 2e-5 of the
 // absolute sum), that is ~12 standard deviations. The evidence test (tests/e2e, LayerE2EEvidence)
 // prints how much of the window the GPU's flips use ("window used"): its maximum over many calls

@@ -1,4 +1,4 @@
-// The FP8 kernel-consistent predicates (tests/reference/kernel_check.h, issue 34) on hand-made
+// The FP8 kernel-consistent predicates (tests/reference/kernel_check.h) on hand-made
 // rows: exact codes pass, a flip next to a rounding midpoint passes, a flip far from one or a code
 // two steps off fails, a scale 1% off fails, the power-of-two scale one step off passes only next
 // to the power; and a simulated GPU whose GEMM errs within the window passes on every row.

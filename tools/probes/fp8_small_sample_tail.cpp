@@ -1,4 +1,4 @@
-// CPU probe (no GPU; issue 34): the tail of SPEC's FP8 rel_l2 over small samples, and the sample
+// CPU probe (no GPU): the tail of SPEC's FP8 rel_l2 over small samples, and the sample
 // size from which it is negligible (tests/e2e/fp8_check.h, kFullCheckMinGroups).
 //
 // Model: the reference's own steps (tests/reference), with the GPU's L1 output h replaced by

@@ -1,12 +1,12 @@
 // Probe: how fast W warps of one block can gather rows by index into shared memory with cp.async,
-// the way the gathered FP8 L1 kernel fed its A tiles (docs/GEMM.md note 36).
+// the way the dropped gathered FP8 L1 kernel fed its A tiles (docs/DESIGN.md, dropped designs).
 //
 // Each block owns a 4-stage ring of 16 KB stages (128 rows x 128 bytes, 128-byte swizzled as TMA
 // would write them). W gathering warps fill stage after stage with 16-byte cp.async copies of
 // randomly indexed rows of a 4096 x 7168-byte token array (cp.async.mbarrier.arrive.noinc on the
 // stage's "full" barrier); one consumer warp waits for each stage and releases it at once. No math,
 // no other traffic: the time per stage is what the gather alone can feed. The grouped GEMM's
-// 128 x 256 FP8 tile consumes one such stage per ~1,360 cycles (docs/GEMM.md note 32).
+// 128 x 256 FP8 tile consumes one such stage per ~1,360 cycles.
 //
 // Built with the project as epmoe-gather-probe. Run (GPU): epmoe-gather-probe
 // Prints, per W in {1, 2, 4, 8, 16}: time, bandwidth, and cycles per stage (mean over the blocks).

@@ -117,7 +117,7 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
     const int t = int(u / chunks), chunk = int(u % chunks);
     // Why the routing in two halves around the chunk: its loads and the chunk's are then in flight
     // together instead of one after the other (a decode call's staging ~0.5 us shorter in the
-    // per-block trace, docs/PERFORMANCE.md, eleventh session).
+    // per-block trace).
     RoutingSlot slot;
     if (chunk == 0) slot = load_routing(p, t);
     stage_token_chunk<kFp8>(p, t, chunk, me + sym.stage_x_offset(),
@@ -179,7 +179,7 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
   const layout::ExpertPoolLayout& pl = p.pool_layout;
   // Why the last warp: the hook's weight prefetch (the fused kernel, off by default) then does not
   // delay warp 0's pull unit (unit 0 of a small call). (Its bytes still delay the pull's loads:
-  // per-block trace, docs/MEGAKERNEL.md, twelfth session.)
+  // measured in the per-block trace.)
   if (threadIdx.x == (kWarps - 1) * 32) after_layout([&](int e) { return seg[e + 1] - seg[e]; });
 
   // Phase 3: pull. Units are (source, token, slice); sources interleave so NVLink reads and the

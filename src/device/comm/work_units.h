@@ -12,7 +12,7 @@ namespace epmoe::comm {
 // Every warp of the grid gets a distinct start, so each unit is done exactly once either way,
 // provided `units` is the same in every block: it picks the numbering for the whole grid. All
 // callers pass counts every block reads alike (T, or counts published before a flag or barrier).
-// Why two numberings (measured on one H200 at R = 1, docs/COMM.md):
+// Why two numberings (measured on one H200 at R = 1, docs/DESIGN.md, "Work units spread by size"):
 // - at most half as many units as warps (decode): numbered block by block, the units and the
 //   stores that fan them out ran on the first few blocks only (the 16 pull units of 8 tokens all
 //   in block 0); numbered across blocks first, they land on as many SMs as there are units.
@@ -51,8 +51,7 @@ __device__ __forceinline__ int first_unit(int64_t units) {
 // unit (had_unit: first_unit < units, taken before the loop), and warp 0 of block 0, so that the
 // stamp exists when no warp had one. Why not every warp: the stamp is one atomicMax on one word,
 // and the fused kernel has 1,584 warps. (Measured on one H200 at T = 1: the fused kernel's spans
-// did not change, so that contention is not why they are longer than the standalone kernels';
-// docs/MEGAKERNEL.md, tenth session.)
+// did not change, so that contention is not why they are longer than the standalone kernels'.)
 __device__ __forceinline__ bool stamps_phase_end(bool had_unit) {
   return (threadIdx.x & 31) == 0 && (had_unit || (threadIdx.x == 0 && blockIdx.x == 0));
 }

@@ -19,13 +19,13 @@
 // partial m-block (and so every decode tile) keeps the math warpgroups' own store
 // (sm90_epilogue_store.cuh), after the last deferred tile has drained (both use the staging tiles).
 //
-// Why (docs/GEMM.md note 19): the plain epilogue's smem reads and global stores cost ~10% of the
+// Why (docs/DESIGN.md): the plain epilogue's smem reads and global stores cost ~10% of the
 // FP8 L2 kernel at K = 2048 with the tensor cores idle. Why a whole tile at once: one 8 KB staging
 // tile per warpgroup would make the math warpgroups wait for each quarter's drain; the stage the
 // last K block used is free once its wgmma completed, and with the staging tiles it holds the
 // 128 x 256 bf16 tile (Sm90SmemLayout::out_slab). The producer refills that stage only after the
 // storer released it: the next tile's first three K blocks load meanwhile.
-// Why TMA stores and not storer warps copying with 16-byte loads and stores (measured, note 19):
+// Why TMA stores and not storer warps copying with 16-byte loads and stores (measured):
 // those copies ran at the SM's store rate, so the kept stage came back late and the next tile's
 // fourth K block starved the math warpgroups (11% slower than the inline store); the TMA unit
 // reads the 64 KB from smem quickly and writes global memory on its own.

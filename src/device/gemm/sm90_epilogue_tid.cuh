@@ -15,7 +15,7 @@ namespace epmoe::gemm {
 inline constexpr bool kEpilogueTidPerTile = EPMOE_GEMM_EPILOGUE_TID_PER_TILE != 0;
 
 // threadIdx.x, or (kEpilogueTidPerTile) %tid.x read where the epilogue uses it.
-// Why two forms (docs/GEMM.md note 28): threadIdx.x is loop-invariant, so ptxas hoists the
+// Why two forms: threadIdx.x is loop-invariant, so ptxas hoists the
 // epilogue's thread-derived smem offsets out of the persistent tile loop. In the standalone kernels
 // they stay in registers. In the fused kernel, at the same math budget but with more live state,
 // they were spilled and reloaded per L2 tile (~25 LDL per tile, 112-byte stack frame); read per

@@ -1,5 +1,5 @@
 // FP8 e4m3 mainloop of one math warpgroup on a 128-column tile: 64 rows x 128 columns of D over
-// the whole K, with two scratch accumulators (docs/GEMM.md note 33).
+// the whole K, with two scratch accumulators (opt-in FP8 L2 tiles, docs/DESIGN.md).
 // Scales and promotion as in Sm90Fp8Mainloop: each 128-wide K block goes through the tensor cores
 // into a scratch accumulator, then acc += scratch * a_scale[row] * b_scale[k_block].
 // Why two scratches: with one, a warpgroup cannot issue the next K block's wgmma before it has
@@ -112,8 +112,8 @@ struct Sm90Fp8MainloopN128 {
 
     // Why the four steps are written out: the same chunk with the retire step (scales, wait, fence,
     // release, promote) as one lambda compiled to 32 more instructions and, in one call, ran at
-    // 0.93 / 0.92 of the 256-column kernel against 0.96 / 0.93 for this form (docs/PERFORMANCE.md,
-    // sixteenth session, call 8): maybe run spread, but this is the form that was measured.
+    // 0.93 / 0.92 of the 256-column kernel against 0.96 / 0.93 for this form: maybe run spread,
+    // but this is the form that was measured.
     int kb = 0;
     for (; kb + 4 <= num_k_blocks; kb += 4) {
       asm volatile("add.u32 %0, %0, %1;" : "+r"(smem_s) : "r"(zero));

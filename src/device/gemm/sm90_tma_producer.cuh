@@ -28,7 +28,7 @@ namespace epmoe::gemm {
 // kPairB the weight half; each waits for the stage and arrives on its full barrier (two arrivals
 // per phase) with its own bytes. Why: one thread issuing all three loads per K block was busy all
 // the time (ncu: its ~90 dependent instructions per K block, in ELECT loops and address math) and
-// fed a 128-column K block no faster than ~1000 cycles (docs/GEMM.md note 33).
+// fed a 128-column K block no faster than ~1000 cycles.
 template <bool kFp8, int kStages, int kBlockK, class Layout, class Scheduler, bool kPair = false>
 struct Sm90TmaProducer {
   using Pipe = pipeline::TmaPipeline<kStages>;
@@ -76,8 +76,7 @@ struct Sm90TmaProducer {
   // can start it, early enough that the atomic's latency hides behind the ring. Why claims: a block
   // that left the dispatch late, or would have had one tile more in the static order, no longer
   // ends the GEMMs late. Why the first tile static: when every block claimed its first tile, the
-  // grid's atomics on one word at the same moment cost a one-token call ~4 us (docs/MEGAKERNEL.md,
-  // thirteenth session).
+  // grid's atomics on one word at the same moment cost a one-token call ~4 us (measured at R = 1).
   __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
                       bool b_first = false, bool publish_tiles = false, uint32_t* claim = nullptr) {
     ptx::prefetch_tensormap(tmap_a);
@@ -224,7 +223,7 @@ struct Sm90TmaProducer {
   // Published tiles: the math warpgroups learn the tile only once its first stage has landed, and
   // then load its first weight scales (Sm90Fp8Mainloop). Why ask this SM's L1 for them now: that
   // load's latency was exposed once per tile (measured at R = 1: publishing cost ~2-3 us in a
-  // one-token call, docs/MEGAKERNEL.md).
+  // one-token call).
   __device__ void prefetch_weight_scales(const scheduler::GemmTile& tile, int num_k_blocks) {
     if constexpr (kFp8) {
       const int n_blocks128 = p->n / kScaleBlock;
@@ -262,7 +261,7 @@ struct Sm90TmaProducer {
   // m-block: its weight tile is read by this tile only, once. Why: in a one-token call the default
   // policy's weight stream pushed the data read again within microseconds (the GEMM outputs, the
   // L1 -> L2 rows) out of L2; with the hint the layer took 6 (pipeline) and 12 us (megakernel)
-  // less at R = 1. Why not in every decode call: at 8-128 tokens it cost 2-8 us (docs/GEMM.md note 30).
+  // less at R = 1. Why not in every decode call: at 8-128 tokens it cost 2-8 us (docs/DESIGN.md).
   __device__ void load_b(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
     const int32_t row = tile.expert * p->n + tile.n_block * Layout::kTileN;
     if (p->weights_evict_first && sched.expert_m_blocks == 1)

@@ -21,7 +21,8 @@ struct FusedMoeParams {
   // zeroed by the host before the call. Slots marked "first" hold ~t of the earliest block (so
   // that one atomicMax serves both), the others t of the latest block.
   unsigned long long* phase_ts;
-  // Tuning, chosen by the host per call (docs/MEGAKERNEL.md, configuration per regime):
+  // Tuning, chosen by the host per call (docs/MEGAKERNEL.md, Configuration per call; the reasons
+  // in docs/DESIGN.md, "The megakernel's schedule"):
   // prefetch_k_blocks: K blocks of its first L1 weight tile that each block asks L2 for once the
   //   expert segments are known (0: none);
   // b_first: a GEMM producer whose tile's rows are not ready yet loads the tile's weights first

@@ -78,8 +78,8 @@ static_assert(gemm::kEpilogueTidPerTile,
 // deferred epilogues' storer thread (TMA stores; gemm/sm90_epilogue_deferred.cuh), as in the
 // standalone kernels. The decode variant (false) keeps the math warpgroups' inline stores: with
 // the deferred store this kernel spills more at tile boundaries and decode, whose tiles are all
-// partial and so never deferred, was 10 us slower (docs/GEMM.md note 19). The host picks one per
-// call from the token count (docs/MEGAKERNEL.md, configuration per regime).
+// partial and so never deferred, was 10 us slower at 128 tokens (docs/DESIGN.md). The host picks
+// one per call from the token count (docs/MEGAKERNEL.md, Configuration per call).
 template <bool kFp8, bool kDeferred>
 struct FusedMoeConfig {
   // Why 4 stages: as in the standalone GEMMs (4 x 48.5 KB fills the 227 KB of smem).
