@@ -118,13 +118,17 @@ peer_setup() {
 }
 # The FP8 accuracy statistics at EPMOE_TEST_RANKS (default 1): the disabled evidence tests (per-call
 # rel_l2 quantiles against the float64 reference and against the kernel-consistent one, fused ==
-# pipeline on every call), then EPMOE_E2E_REPEATS (default 100) repeats of the small cases.
+# pipeline on every call), then EPMOE_E2E_REPEATS (default 100) repeats of the small cases, in the
+# same rank processes (tests/e2e/test_layer.cpp: no fork and NCCL bootstrap per repeat).
 if [ "$mode" = e2e-stats ]; then
   export EPMOE_TEST_RANKS=${EPMOE_TEST_RANKS:-1}
+  # Why unset: the binary reads EPMOE_E2E_REPEATS itself, and it is meant for the second step only.
+  repeats=${EPMOE_E2E_REPEATS:-100}
+  unset EPMOE_E2E_REPEATS
   step e2e_evidence "${EPMOE_EVIDENCE_LIMIT:-240}" "$bin/epmoe_mgpu_tests" --gtest_also_run_disabled_tests \
     --gtest_filter="${EPMOE_EVIDENCE_FILTER:-LayerE2EEvidence.*}"
-  step e2e_small_repeats "${EPMOE_REPEAT_LIMIT:-300}" "$bin/epmoe_mgpu_tests" --gtest_brief=1 \
-    --gtest_filter='LayerE2E*.Small*:LayerE2E*.UnequalTokens' --gtest_repeat="${EPMOE_E2E_REPEATS:-100}"
+  EPMOE_E2E_REPEATS=$repeats step e2e_small_repeats "${EPMOE_REPEAT_LIMIT:-300}" "$bin/epmoe_mgpu_tests" \
+    --gtest_brief=1 --gtest_filter='LayerE2E*.Small*:LayerE2E*.UnequalTokens'
   finish
 fi
 if [ "$mode" = peer-gemm ]; then

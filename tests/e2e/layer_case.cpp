@@ -369,12 +369,16 @@ class ScopedEnv {
 };
 
 Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed) {
-  const int R = ctx.size, rank = ctx.rank;
+  std::unique_ptr<Communicator> comm;
+  EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, ctx.rank, ctx.size, &comm));
+  return run_layer_case(*comm, c, seed);
+}
+
+Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
+  const int R = comm.size(), rank = comm.rank();
   if (int(c.tokens.size()) != R) return fail("case lists " + std::to_string(c.tokens.size()) + " token counts for " + std::to_string(R) + " ranks");
   const ref::Problem p = make_problem(c, R);
 
-  std::unique_ptr<Communicator> comm;
-  EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, rank, R, &comm));
   std::unique_ptr<MoELayer> layer;
   LayerConfig cfg = make_config(p);
   if (c.bf16_partials) cfg.combine_partials = PartialPrecision::kBFloat16;
@@ -383,7 +387,7 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
     // the environment as it was. Why scoped: set for good, it also forced the variant on every
     // later case of the process (and overrode an outer EPMOE_FUSED_EPILOGUE for them).
     ScopedEnv epilogue("EPMOE_FUSED_EPILOGUE", c.fused_epilogue);
-    EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
+    EPMOE_RETURN_IF_ERROR(MoELayer::create(comm, cfg, &layer));
   }
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -434,7 +438,7 @@ Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed)
     std::vector<PoolRow> rows;
     std::string pool_defect;
     if (p.dtype == ref::DType::kFP8)
-      EPMOE_RETURN_IF_ERROR(gather_sampled_rows(*layer, *comm, p, inputs, samples, stream, &rows, &pool_defect));
+      EPMOE_RETURN_IF_ERROR(gather_sampled_rows(*layer, comm, p, inputs, samples, stream, &rows, &pool_defect));
     EPMOE_RETURN_IF_ERROR(check_output(p, c, rank, y, inputs, weights, samples, rows, pool_defect, seed, call,
                                        c.evidence ? &evidence : nullptr));
     if (c.path == Path::kFused && c.cross_check_paths) {

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "epmoe/comm.h"
 #include "epmoe/config.h"
 #include "epmoe/launcher.h"
 #include "epmoe/status.h"
@@ -57,6 +58,9 @@ struct LayerCase {
 
 // Runs `c` on this rank; every rank of the launch calls it with the same case and seed.
 Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed);
+// The same on a Communicator that outlives the case (the in-process repeats of one launch share
+// it): the layer and everything else is created and destroyed inside, collectively.
+Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed);
 
 // Bad inputs on a small layer: host-side rejections before launch, device-side index errors
 // reported by check_device_error(), y left as it was when the call is rejected.

@@ -1,12 +1,17 @@
 // The MoE layer end to end on 2+ GPUs against tests/reference (SPEC.md), one process per rank.
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "e2e/layer_case.h"
 #include "mgpu/mgpu_util.h"
@@ -24,24 +29,126 @@ using ref::Routing;
 // is used.
 using mgpu::test_ranks;
 
+// EPMOE_E2E_REPEATS=N (default 1): run_case runs its case N times in the same rank processes
+// (one NCCL bootstrap, a new layer per repeat), repeat i with its own seed from the printed one.
+constexpr const char* kRepeatsEnv = "EPMOE_E2E_REPEATS";
+
+int e2e_repeats() {
+  if (const char* env = std::getenv(kRepeatsEnv)) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return 1;
+}
+
+// Repeat i's seed. Why the base seed itself at N = 1: then EPMOE_SEED=<a repeat's seed> with one
+// repeat replays exactly that repeat's inputs.
+uint64_t repeat_seed(uint64_t seed, int repeats, int i) {
+  return repeats == 1 ? seed : ref::mix_seed(seed, 0x7e9ea7, uint64_t(i));
+}
+
 // The command line that replays the running test with `seed` on `ranks` ranks: EPMOE_SEED fixes
 // every input of every call (tests/reference/data.h), EPMOE_TEST_RANKS the rank count (and with it
 // the per-rank token counts); the environment variables that change what a case runs come along.
-std::string replay_command(uint64_t seed, int ranks) {
+// `repeats` > 0 sets EPMOE_E2E_REPEATS (1: a failing repeat on its own, with its seed).
+std::string replay_command(uint64_t seed, int ranks, int repeats = 0) {
   std::ostringstream os;
   os << "EPMOE_SEED=" << seed << " EPMOE_TEST_RANKS=" << ranks;
+  const std::string n = std::to_string(repeats);
   for (const char* v : {"EPMOE_FUSED_EPILOGUE", "EPMOE_FUSED_PREFETCH", "EPMOE_FUSED_B_FIRST", "EPMOE_FUSED_CLAIM",
-                        "EPMOE_TEST_TIMEOUT_S", "EPMOE_EVIDENCE_CALLS"})
-    if (const char* val = std::getenv(v)) os << " " << v << "=" << val;
+                        "EPMOE_TEST_TIMEOUT_S", "EPMOE_EVIDENCE_CALLS", kRepeatsEnv}) {
+    const char* val = repeats > 0 && std::strcmp(v, kRepeatsEnv) == 0 ? n.c_str() : std::getenv(v);
+    if (val) os << " " << v << "=" << val;
+  }
   char exe[4096];
-  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  os << " " << (n > 0 ? std::string(exe, size_t(n)) : std::string("epmoe_mgpu_tests"));
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  os << " " << (len > 0 ? std::string(exe, size_t(len)) : std::string("epmoe_mgpu_tests"));
   if (const auto* info = ::testing::UnitTest::GetInstance()->current_test_info()) {
     const std::string name = info->name();
     os << " --gtest_filter=" << info->test_suite_name() << "." << name;
     if (name.rfind("DISABLED_", 0) == 0) os << " --gtest_also_run_disabled_tests";
   }
   return os.str();
+}
+
+// Each rank's progress through the repeats, in memory the forked ranks share with this process:
+// after a crash or a timeout (no Status message) it still names the repeat to replay.
+class RepeatProgress {
+ public:
+  explicit RepeatProgress(int ranks) : ranks_(ranks) {
+    void* m = mmap(nullptr, sizeof(int) * 2 * size_t(ranks), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return;
+    slots_ = static_cast<volatile int*>(m);
+    for (int r = 0; r < ranks; ++r) slots_[2 * r + 1] = -1;
+  }
+  ~RepeatProgress() {
+    if (slots_) munmap(const_cast<int*>(slots_), sizeof(int) * 2 * size_t(ranks_));
+  }
+  RepeatProgress(const RepeatProgress&) = delete;
+  RepeatProgress& operator=(const RepeatProgress&) = delete;
+
+  // In a rank: repeats [0, n) passed; repeat i failed.
+  void passed(int rank, int n) { if (slots_) slots_[2 * rank] = n; }
+  void failed(int rank, int i) { if (slots_) slots_[2 * rank + 1] = i; }
+  // After the launch: the earliest repeat a rank reported failing, else the earliest one that some
+  // rank did not finish (its crash or hang); -1 when every rank passed every repeat.
+  int failing(int repeats) const {
+    if (!slots_) return -1;
+    int failed = -1, unfinished = repeats;
+    for (int r = 0; r < ranks_; ++r) {
+      const int f = slots_[2 * r + 1];
+      if (f >= 0 && (failed < 0 || f < failed)) failed = f;
+      unfinished = std::min(unfinished, int(slots_[2 * r]));
+    }
+    if (failed >= 0) return failed;
+    return unfinished < repeats ? unfinished : -1;
+  }
+
+ private:
+  int ranks_;
+  volatile int* slots_ = nullptr;
+};
+
+// `c` EPMOE_E2E_REPEATS = repeats (> 1) times in one launch. Every rank runs the same repeats in
+// the same order on one Communicator and stops at its first failing one, whose index and seed its
+// message and the replay line name. Why release the Communicator then: its destruction may wait
+// for peers that have gone on to the next repeat's collective create; the failing rank must exit,
+// so that the launcher kills them (as a failing call does without repeats).
+void run_repeats(const LayerCase& c, uint64_t seed, int ranks, int repeats, double timeout_s) {
+  std::printf("[e2e] %d repeats in one launch (%s)\n", repeats, kRepeatsEnv);
+  std::vector<LayerCase> cases(size_t(repeats), c);
+  for (int i = 0; i < repeats; ++i) cases[i].replay = replay_command(repeat_seed(seed, repeats, i), ranks, 1);
+  RepeatProgress progress(ranks);
+  const auto body = [&](const RankContext& ctx) -> Status {
+    std::unique_ptr<Communicator> comm;
+    RANK_OK(mgpu::make_comm(ctx, &comm));
+    for (int i = 0; i < repeats; ++i) {
+      const uint64_t s = repeat_seed(seed, repeats, i);
+      if (ctx.rank == 0) {
+        std::printf("[e2e] repeat %d of %d seed=%llu\n", i, repeats, static_cast<unsigned long long>(s));
+        std::fflush(stdout);
+      }
+      const Status st = run_layer_case(*comm, cases[i], s);
+      if (!st.ok()) {
+        progress.failed(ctx.rank, i);
+        (void)comm.release();
+        return Status(st.code(), "repeat " + std::to_string(i) + " of " + std::to_string(repeats) + " (seed " +
+                                     std::to_string(s) + "): " + st.message());
+      }
+      progress.passed(ctx.rank, i + 1);
+    }
+    return Status::Ok();
+  };
+  // Why no per-repeat bound: the launcher has one deadline for the whole launch.
+  mgpu::run_on_ranks(ranks, body, timeout_s * repeats);
+  if (!::testing::Test::HasFailure()) return;
+  const int i = progress.failing(repeats);
+  if (i < 0) {
+    std::printf("[e2e] FAILED; replay: %s\n", c.replay.c_str());
+  } else {
+    std::printf("[e2e] FAILED in repeat %d of %d (seed=%llu); replay: %s\n", i, repeats,
+                static_cast<unsigned long long>(repeat_seed(seed, repeats, i)), cases[i].replay.c_str());
+  }
 }
 
 void run_case(LayerCase c, int ranks = 2, double timeout_s = 240) {
@@ -53,6 +160,7 @@ void run_case(LayerCase c, int ranks = 2, double timeout_s = 240) {
   const uint64_t seed = ref::fresh_seed();
   c.replay = replay_command(seed, ranks);
   std::printf("[e2e] %s seed=%llu\n", c.describe().c_str(), static_cast<unsigned long long>(seed));
+  if (const int repeats = e2e_repeats(); repeats > 1) return run_repeats(c, seed, ranks, repeats, timeout_s);
   mgpu::run_on_ranks(ranks, [&](const RankContext& ctx) { return run_layer_case(ctx, c, seed); }, timeout_s);
   // Every failure of the case (a rank's check, a timeout, a crash) gets the line that replays it.
   if (::testing::Test::HasFailure()) std::printf("[e2e] FAILED; replay: %s\n", c.replay.c_str());
