@@ -153,11 +153,10 @@ if [ "$mode" = peer-gemm ]; then
       -o "$out/ncu_deepgemm" python3 .gpu/peers/deepgemm_gemm.py 8,4096,4096,7168
     ncu_export ncu_deepgemm
     # E1: the L2 kernel (bf16 out), E3: the L1 kernel (SwiGLU + FP8 requant), Sm90Epilogue's order.
-    # E1ELi5ELi192E: the 192-column L2 kernel (column L2n192 of epmoe-bench gemm).
-    for e in E1ELi4ELi256E E3ELi4ELi256E E1ELi5ELi192E; do
-      step "ncu_ours_${e:0:2}_${e: -4:3}" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}" \
-        -o "$out/ncu_ours_${e:0:2}_${e: -4:3}" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,4096,4096,7168
-      ncu_export "ncu_ours_${e:0:2}_${e: -4:3}"
+    for e in E1 E3; do
+      step "ncu_ours_$e" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}ELi4ELi256E" \
+        -o "$out/ncu_ours_$e" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,4096,4096,7168
+      ncu_export "ncu_ours_$e"
     done
   fi
   finish
