@@ -127,9 +127,8 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
   EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a, a, fp8, g.max_rows, k, k, kBlockM,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations"));
-  // The 128-column kernel's CTA pairs each load half of a weight tile (64 rows) into both CTAs;
-  // the 192-column kernel loads 192 weight rows per stage.
-  const int b_box_rows = stage == GemmStage::kL2N128 ? 64 : stage == GemmStage::kL2N192 ? 192 : kBlockN;
+  // The 128-column kernel's CTA pairs each load half of a weight tile (64 rows) into both CTAs.
+  const int b_box_rows = stage == GemmStage::kL2N128 ? 64 : kBlockN;
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, b_box_rows,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights"));
   if (stage != GemmStage::kL1)
@@ -144,7 +143,6 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
   plan.fp8 = fp8;
   plan.l1 = stage == GemmStage::kL1;
   plan.n128 = stage == GemmStage::kL2N128;
-  plan.n192 = stage == GemmStage::kL2N192;
   plan.params = p;
   *out = plan;
   return Status::Ok();
@@ -231,17 +229,19 @@ Status plan_l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_
   return build_plan(fp8, GemmStage::kL1, g, x, w1, 2 * inter, hidden, p, out);
 }
 
-// The FP8 L2 tile for kAuto: EPMOE_L2_TILE_N if set (128, 192 or 256; anything else is an error),
-// else 256.
-static Status resolve_l2_tile(L2Tile tile, L2Tile* resolved) {
-  *resolved = tile == L2Tile::kAuto ? L2Tile::kN256 : tile;
-  if (tile != L2Tile::kAuto) return Status::Ok();
+// The FP8 L2 tile for kAuto: EPMOE_L2_TILE_N if set (128 or 256; anything else is an error), else
+// the default below.
+static Status resolve_l2_tile(L2Tile tile, bool* n128) {
+  if (tile != L2Tile::kAuto) {
+    *n128 = tile == L2Tile::kN128;
+    return Status::Ok();
+  }
+  *n128 = false;
   const char* env = std::getenv("EPMOE_L2_TILE_N");
   if (env == nullptr || *env == 0) return Status::Ok();
   const std::string v(env);
-  if (v != "128" && v != "192" && v != "256")
-    return invalid("gemm::l2: EPMOE_L2_TILE_N='", v, "' must be 128, 192 or 256");
-  *resolved = v == "128" ? L2Tile::kN128 : v == "192" ? L2Tile::kN192 : L2Tile::kN256;
+  if (v != "128" && v != "256") return invalid("gemm::l2: EPMOE_L2_TILE_N='", v, "' must be 128 or 256");
+  *n128 = v == "128";
   return Status::Ok();
 }
 
@@ -263,23 +263,15 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
   p.b_scale = fp8 ? w2_scale : nullptr;
   p.out = o;
   p.out_ld = hidden;
-  if (!fp8 && (tile == L2Tile::kN128 || tile == L2Tile::kN192))
-    return invalid("gemm::l2: 128- and 192-column tiles exist for FP8 only");
-  L2Tile resolved = L2Tile::kN256;
-  EPMOE_RETURN_IF_ERROR(resolve_l2_tile(tile, &resolved));
-  const GemmStage stage = !fp8 ? GemmStage::kL2
-                          : resolved == L2Tile::kN128 ? GemmStage::kL2N128
-                          : resolved == L2Tile::kN192 ? GemmStage::kL2N192
-                                                      : GemmStage::kL2;
-  return build_plan(fp8, stage, g, a, w2, hidden, inter, p, out);
+  if (!fp8 && tile == L2Tile::kN128) return invalid("gemm::l2: 128-column tiles exist for FP8 only");
+  bool n128 = false;
+  EPMOE_RETURN_IF_ERROR(resolve_l2_tile(tile, &n128));
+  return build_plan(fp8, fp8 && n128 ? GemmStage::kL2N128 : GemmStage::kL2, g, a, w2, hidden, inter, p, out);
 }
 
 Status launch(const GemmPlan& plan, cudaStream_t stream, bool weights_evict_first) {
   if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
-  const GemmStage stage = plan.l1     ? GemmStage::kL1
-                          : plan.n128 ? GemmStage::kL2N128
-                          : plan.n192 ? GemmStage::kL2N192
-                                      : GemmStage::kL2;
+  const GemmStage stage = plan.l1 ? GemmStage::kL1 : plan.n128 ? GemmStage::kL2N128 : GemmStage::kL2;
   GroupedGemmParams params = plan.params;
   params.weights_evict_first = weights_evict_first ? 1 : 0;
   EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d,

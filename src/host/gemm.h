@@ -68,11 +68,11 @@ Status l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_sc
 
 // ---- L2: o = a W2^T, accumulated in fp32, bf16 out [max_rows][H] ---------------------------------
 // FP8: a e4m3 [max_rows][I] with a_scale [I/128][scale_stride]; BF16: a bf16 [max_rows][I].
-// The FP8 L2 kernel's tile: 128 x 256 with the "halves" mainloop, 128 x 192 with one batch per K
-// block, or 128 x 128 with two scratch accumulators. kAuto: the library's choice (256); the
-// environment variable EPMOE_L2_TILE_N=256, 192 or 128 overrides it (A/B measurements; BF16 then
-// keeps 256). kN128 or kN192 with BF16 is an InvalidArgument.
-enum class L2Tile { kAuto, kN256, kN128, kN192 };
+// The FP8 L2 kernel's tile: 128 x 256 with the "halves" mainloop, or 128 x 128 with two scratch
+// accumulators (opt-in, docs/DESIGN.md). kAuto: the library's choice; the environment variable
+// EPMOE_L2_TILE_N=256 or 128 overrides it (A/B measurements; BF16 then keeps 256). kN128 with
+// BF16 is an InvalidArgument.
+enum class L2Tile { kAuto, kN256, kN128 };
 Status l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
           const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream,
           L2Tile tile = L2Tile::kAuto);
@@ -87,7 +87,6 @@ struct GemmPlan {
   bool fp8 = false;
   bool l1 = false;  // L1 (SwiGLU epilogue) or L2 (bf16 store)
   bool n128 = false;  // L2 on 128-column tiles (FP8 only)
-  bool n192 = false;  // L2 on 192-column tiles (FP8 only)
   int grid = 0;     // persistent blocks: one per SM
   CUtensorMap map_a{};  // pool activations [max_rows][k]
   CUtensorMap map_b{};  // weights [num_groups * n][k]

@@ -407,23 +407,6 @@ TEST(GemmManyTilesPerBlock, DeferredAndPartialTilesMix) {
   run_case(c, fresh_seed());
 }
 
-// The FP8 L2 kernel's 192-column tiles, whatever the default: N = 128 (one tile, 64 columns past N),
-// 384 (two tiles, even and odd n_block, whose weight scales switch after column 128 and 64), 640
-// (an odd last tile that is partial) and 1152 (six tiles); several tiles per block with full and
-// partial rows, K = 640 (5 K blocks on its 5-stage ring, so the kept stage does not move) and 768.
-TEST(GemmL2Tile192, MatchesFloat64Reference) {
-  EPMOE_REQUIRE_GPUS(1);
-  for (int hidden : {128, 384, 640, 1152})
-    for (int inter : {640, 768}) {
-      Case c{DType::kFP8, false, {24 * 128, 3 * 128 + 3, 0, 130, 1}, hidden, inter};
-      c.tile = gemm::L2Tile::kN192;
-      run_case(c, fresh_seed());
-    }
-  Case c{DType::kFP8, false, edge_counts(DType::kFP8), 384, 128};
-  c.tile = gemm::L2Tile::kN192;
-  run_case(c, fresh_seed());
-}
-
 // The layer's use of a plan: built once, launched on several calls whose expert counts change on
 // the device in between. Also: a stale error from an unrelated runtime call is not blamed on the
 // launch (launch returns cudaLaunchKernelEx's own result, never cudaGetLastError).

@@ -88,10 +88,9 @@ struct Sm90EpilogueDeferredBf16 {
     return true;
   }
 
-  // Quarter `quarter` (64 columns) of an accumulator fragment `v` (v[4 i .. 4 i + 3] hold columns
-  // 8 i + 2 (lane % 4) + {0, 1} of rows r0 and r0 + 8, so quarter q is groups 8 q .. 8 q + 7) as
-  // bf16 into the 64 x 64 slab at slab_s (rows and 16-byte chunks as in the staging tiles), four
-  // stmatrix per thread.
+  // Quarter `quarter` (64 columns) of an N half `v` (one n128 accumulator fragment: v[4 i .. 4 i + 3]
+  // hold columns 8 i + 2 (lane % 4) + {0, 1} of rows r0 and r0 + 8) as bf16 into the 64 x 64 slab at
+  // slab_s (rows and 16-byte chunks as in the staging tiles), four stmatrix per thread.
   __device__ static void stmatrix_quarter(const float* v, int quarter, uint32_t slab_s) {
     const int tid = int(epilogue_tid() % 128u);
     const int warp = tid / 32, lane = tid % 32;
@@ -106,19 +105,17 @@ struct Sm90EpilogueDeferredBf16 {
     }
   }
 
-  // The L2 tile: 64 x kTileN fp32 per warpgroup (kAcc = kTileN / 2 floats per thread) -> kTileN / 64
-  // slabs (wg * kTileN / 64 + quarter). Quarter q is 8-column groups 8 q .. 8 q + 7 of the fragment,
-  // which stmatrix_quarter finds from the fragment's start (an n128 half is two quarters of it).
-  template <class Layout, int kAcc>
-  __device__ static bool stage(const float (&acc)[kAcc], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+  // The L2 tile: 64 x 256 fp32 per warpgroup -> four slabs (wg * 4 + quarter).
+  template <class Layout>
+  __device__ static bool stage(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                                int wg, bool write, uint32_t smem_s, uint32_t kept, uint32_t tile_count,
                                uint32_t both_math_barrier) {
-    constexpr int kQuarters = kAcc / 32;
     return stage_tile<Layout>(t, wg, write, smem_s, kept, tile_count, both_math_barrier, [&] {
 #pragma unroll
-      for (int quarter = 0; quarter < kQuarters; ++quarter) {
-        if (t.n_block * (2 * kAcc) + quarter * 64 >= p.n) continue;  // N is a multiple of 64
-        stmatrix_quarter(acc, quarter, smem_s + Layout::out_slab(uint32_t(wg * kQuarters + quarter), kept));
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        if (t.n_block * kBlockN + quarter * 64 >= p.n) continue;  // N is a multiple of 128
+        stmatrix_quarter(acc + 64 * (quarter / 2), quarter % 2,
+                         smem_s + Layout::out_slab(uint32_t(wg * 4 + quarter), kept));
       }
     });
   }
@@ -173,10 +170,10 @@ struct Sm90EpilogueDeferredBf16 {
   // tiles are handed back once the TMA unit has read them (bulk wait_group.read), not when the
   // global writes land. empty_arrivals: what the ring's empty barriers count (one per math warp).
   // Returns false on a bounded-wait timeout; `phase` and `tile_count` then name it.
-  // kSlabsPerWg: 4 for L2 tiles (256 output columns), 3 for the 192-column FP8 L2 tiles, 2 for
-  // BF16 L1 tiles (128 channels). kL2: see store_kept_tile.
+  // kSlabsPerWg: 4 for L2 tiles (256 output columns), 2 for BF16 L1 tiles (128 channels).
+  // kL2: see store_kept_tile.
   // kPair: the kept stage is released to both CTAs of the pair (see Sm90TmaProducer's kPair).
-  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg != 2, bool kPair = false>
+  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg == 4, bool kPair = false>
   __device__ static bool drain(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t empty_arrivals,
                                uint32_t& phase, uint32_t& tile_count) {
     const uint32_t smem_s = dyn_smem_base_s();
@@ -289,10 +286,10 @@ struct Sm90EpilogueDeferredBf16 {
   // from the kept stage and the staging tiles; BF16 L1: four, from the kept stage, whose p.n counts
   // weight rows, twice its output channels); hands them back once the TMA unit has read them.
   // kL2: the output has p.n columns (L2 tiles of 256 or 128 columns); otherwise p.n / 2 (BF16 L1).
-  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg != 2, bool kPair = false>
+  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg == 4, bool kPair = false>
   __device__ static void store_kept_tile(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t smem_s, int row0,
                                        int n_block, uint32_t kept, uint32_t empty_arrivals) {
-    static_assert(kSlabsPerWg == 4 || kSlabsPerWg == 3 || kSlabsPerWg == 2, "256, 192 or 128 output columns per tile");
+    static_assert(kSlabsPerWg == 4 || kSlabsPerWg == 2, "256 or 128 output columns per tile");
     const int n_out = kL2 ? p.n : p.n / 2;
 #pragma unroll
     for (int j = 0; j < 2 * kSlabsPerWg; ++j) {

@@ -1,4 +1,4 @@
-// Plain epilogue (L2): one warpgroup's 64 x 256 (192, 128) fp32 block -> bf16 rows of the output pool.
+// Plain epilogue (L2): one warpgroup's 64 x 256 (or 64 x 128) fp32 block -> bf16 rows of the output pool.
 // Rows past the expert's count are padding and are not written.
 //
 // Through smem, one 64-column quarter at a time: each thread writes its bf16 pairs into the
@@ -27,11 +27,11 @@ namespace epmoe::gemm {
 struct Sm90EpilogueStoreBf16 {
   // stage_s: this warpgroup's staging tile (shared-window address, 16-byte aligned, 8 KB);
   // barrier_id: this warpgroup's named barrier (128 threads).
-  // kCols: the warpgroup's columns, 256 (two n128 halves, acc[128]), 192 (acc[96]) or 128 (acc[64]).
+  // kCols: the warpgroup's columns, 256 (two n128 halves, acc[128]) or 128 (one, acc[64]).
   template <int kCols = kBlockN>
   __device__ static void run(const float (&acc)[kCols / 2], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                              int wg, uint32_t stage_s, uint32_t barrier_id) {
-    static_assert(kCols == 256 || kCols == 192 || kCols == 128, "256, 192 or 128 columns");
+    static_assert(kCols == 256 || kCols == 128, "one or two n128 halves");
     const int tid = int(epilogue_tid() % 128u);
     const int warp = tid / 32;
     const int lane = tid % 32;
@@ -41,16 +41,17 @@ struct Sm90EpilogueStoreBf16 {
     const int64_t row_base = int64_t(t.row0) + wg * kWarpgroupM;
 #pragma unroll
     for (int quarter = 0; quarter < kCols / 64; ++quarter) {
+      const int h = quarter / 2;  // N half of the accumulator
       const int col_base = t.n_block * kCols + quarter * 64;
-      if (col_base >= p.n) continue;  // N is a multiple of 64: a quarter is all in or all out
+      if (col_base >= p.n) continue;  // N is a multiple of 128: a half is all in or all out
       // Fragment -> staging: row 16 warp + lane/4 (+ 8), columns 8 i + 2 q (+ 1) of the quarter.
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = warp * 16 + lane / 4 + half * 8;
 #pragma unroll
         for (int ii = 0; ii < 8; ++ii) {
-          const int i = quarter * 8 + ii;  // 8-column group of the fragment
-          const uint32_t v = ptx::cvt_rn_bf16x2(acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+          const int i = (quarter % 2) * 8 + ii;
+          const uint32_t v = ptx::cvt_rn_bf16x2(acc[64 * h + 4 * i + 2 * half], acc[64 * h + 4 * i + 2 * half + 1]);
           ptx::st_shared_u32(stage_s + uint32_t(r) * 128u + uint32_t((ii ^ (r & 7)) * 16 + q * 4), v);
         }
       }

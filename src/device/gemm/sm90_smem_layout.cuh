@@ -79,7 +79,7 @@ struct Sm90SmemLayout {
   static_assert(kEpiOffset % 1024 == 0, "TMA boxes with a 128-byte swizzle need 1024-byte aligned smem");
   static_assert(kTileA == 2 * kEpiTileBytes && kTileB == uint32_t(kTileN / 64) * kEpiTileBytes,
                 "a stage's A tile holds two slabs and its B tile one per 64 columns");
-  static_assert(kTileN == kBlockN || kTileN == 192 || kTileN == 128, "256-, 192- or 128-column tiles");
+  static_assert(kTileN == kBlockN || kTileN == 128, "256- or 128-column tiles");
   static_assert(kScaleA % 16 == 0, "scale copies need 16-byte aligned destinations");
   static_assert(kAllocBytes <= 227 * 1024, "the stage ring does not fit in 227 KB of smem: fewer stages");
 };

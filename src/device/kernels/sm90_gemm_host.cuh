@@ -85,18 +85,10 @@ using L2Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kStoreBf16Deferred, 4
 // pairs (clusters of two, grid rounded down to even).
 using L2N128Config = Sm90GroupedGemmConfig<true, Sm90Epilogue::kStoreBf16Deferred, 6, 128>;
 
-// Why 5 stages: the 192-column tile's stage is 40.5 KB (A 16 + B 24 + scales 0.5), and five fit
-// next to the staging tiles.
-using L2N192Config = Sm90GroupedGemmConfig<true, Sm90Epilogue::kStoreBf16Deferred, 5, 192>;
-
 template <bool kFp8>
 cudaError_t configure_stage(GemmStage stage, int device) {
   if (stage == GemmStage::kL2N128) {
     if constexpr (kFp8) return configure<L2N128Config>(device);
-    return cudaErrorInvalidValue;
-  }
-  if (stage == GemmStage::kL2N192) {
-    if constexpr (kFp8) return configure<L2N192Config>(device);
     return cudaErrorInvalidValue;
   }
   return stage == GemmStage::kL1 ? configure<L1Config<kFp8>>(device) : configure<L2Config<kFp8>>(device);
@@ -107,10 +99,6 @@ cudaError_t launch_stage(GemmStage stage, const CUtensorMap& map_a, const CUtens
                          const GroupedGemmParams& p, int grid, cudaStream_t stream) {
   if (stage == GemmStage::kL2N128) {
     if constexpr (kFp8) return launch<L2N128Config>(map_a, map_b, map_d, p, grid, stream);
-    return cudaErrorInvalidValue;
-  }
-  if (stage == GemmStage::kL2N192) {
-    if constexpr (kFp8) return launch<L2N192Config>(map_a, map_b, map_d, p, grid, stream);
     return cudaErrorInvalidValue;
   }
   return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_b, map_d, p, grid, stream)

@@ -13,8 +13,7 @@ namespace epmoe::gemm::detail {
 
 // kL2N128: the FP8 L2 kernel on 128-column tiles (opt-in, docs/DESIGN.md; FP8 only, its B map has
 // 128-row boxes).
-// kL2N192: the FP8 L2 kernel on 128 x 192 tiles (FP8 only; B boxes of 192 rows).
-enum class GemmStage { kL1, kL2, kL2N128, kL2N192 };
+enum class GemmStage { kL1, kL2, kL2N128 };
 
 // Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and
 // checks that one block fits on an SM. Once per kernel and device (later calls return the first

@@ -29,7 +29,6 @@
 #include "device/gemm/sm90_mainloop_bf16.cuh"
 #include "device/gemm/sm90_mainloop_fp8.cuh"
 #include "device/gemm/sm90_mainloop_fp8_n128.cuh"
-#include "device/gemm/sm90_mainloop_fp8_n192.cuh"
 #include "device/gemm/sm90_smem_layout.cuh"
 #include "device/gemm/sm90_tma_producer.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
@@ -65,10 +64,9 @@ inline constexpr uint32_t kMathBarrierBase = 1;
 // warpgroups (256 threads).
 inline constexpr uint32_t kBothMathBarrier = 4;
 
-// kTileN_: output columns per tile, kBlockN, 192 or 128, the last two for the standalone FP8 L2
-// kernel only. 192: one m64n192k32 batch and one promotion per K block (sm90_mainloop_fp8_n192.cuh).
-// 128: two scratch accumulators (sm90_mainloop_fp8_n128.cuh), run as CTA pairs (clusters of 2
-// along M sharing each weight tile through TMA multicast: kPair).
+// kTileN_: output columns per tile, kBlockN or 128. 128 is the FP8 L2 kernel with two scratch
+// accumulators (sm90_mainloop_fp8_n128.cuh, opt-in, docs/DESIGN.md), standalone only, run as CTA
+// pairs (clusters of 2 along M sharing each weight tile through TMA multicast: kPair).
 template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kTileN_ = kBlockN>
 struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
@@ -76,9 +74,8 @@ struct Sm90GroupedGemmConfig {
   static constexpr int kTileN = kTileN_;
   static constexpr bool kN128 = kTileN_ == 128;
   static constexpr bool kPair = kN128;
-  static constexpr int kAcc = kN128 ? 64 : kTileN_ / 2;  // accumulator floats per math thread
-  static_assert(kTileN_ == kBlockN || (kFp8_ && kEpi == Sm90Epilogue::kStoreBf16Deferred),
-                "128- and 192-column tiles exist for the standalone FP8 L2 kernel only");
+  static_assert(!kN128 || (kFp8_ && kEpi == Sm90Epilogue::kStoreBf16Deferred),
+                "128-column tiles exist for the standalone FP8 L2 kernel only");
   static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU || kEpi == Sm90Epilogue::kSwiGLUDeferred;
   // Full tiles through a kept ring stage (L2; BF16 L1, whose 32 KB tile does not fit the staging
   // tiles) or through the staging tiles (FP8 L1: 16 KB of codes plus row scales).
@@ -87,13 +84,12 @@ struct Sm90GroupedGemmConfig {
   static constexpr bool kDeferredL1 = kEpi == Sm90Epilogue::kSwiGLUDeferred && kFp8_;
   static constexpr bool kHasStorer = kDeferredStore || kDeferredL1;
   // Slabs of 64 x 64 bf16 per math warpgroup in a kept-stage tile (Sm90EpilogueDeferredBf16::drain).
-  static constexpr int kSlabsPerWg = kSwiGLU || kN128 ? 2 : kTileN_ / 64;
+  static constexpr int kSlabsPerWg = kSwiGLU || kN128 ? 2 : 4;
   static constexpr bool kL2Out = !kSwiGLU;  // output columns = weight rows (see store_kept_tile)
   using Layout = Sm90SmemLayout<kFp8_, kStages_, kTileN_>;
   using Mainloop = std::conditional_t<
       kN128, Sm90Fp8MainloopN128<kStages_, Layout, kPair>,
-      std::conditional_t<kTileN_ == 192, Sm90Fp8MainloopN192<kStages_, Layout>,
-                         std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>>>;
+      std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
   using Scheduler = std::conditional_t<kPair, scheduler::PairTileScheduler<kRasterGroupN>,
                                        scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>>;
@@ -167,11 +163,11 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                                            uint32_t* done = nullptr, uint32_t first_tile_count = 0,
                                                            bool from_slots = false) {
   using Mainloop = typename Cfg::Mainloop;
-  const int n_tiles = (p.n + Cfg::kTileN - 1) / Cfg::kTileN;
+  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
   typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
   scheduler::GemmTile tile;
-  float acc[Cfg::kAcc];
+  float acc[128];
   int pending = -1;  // `done` index of the last stored tile whose release is deferred
   // Deferred tiles staged so far (the deferred epilogue's barrier phases): partial tiles, which
   // take the inline store, must not count, or the parities would no longer match the storer's.
@@ -212,10 +208,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       const int n_blocks128 = n_weight_rows / kScaleBlock;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // The tile's first column's scale block, and the next one (256: the two N halves; 192: the
-        // two blocks its columns straddle, see Sm90Fp8MainloopN192).
-        const int nb = (Cfg::kTileN == kBlockN ? tile.n_block * (kBlockN / kScaleBlock)
-                                               : tile.n_block * Cfg::kTileN / kScaleBlock) + h;
+        const int nb = tile.n_block * (kBlockN / kScaleBlock) + h;
         // Why a 32-bit index (< 2^27 by the limits E_loc <= 1024, N <= 65536, K <= 32768) and
         // num_k_blocks: extra 64-bit loop invariants here pushed the fused kernel's FP8 tile loop
         // into spills.
@@ -231,15 +224,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // rows past an expert's count must stay untouched; an expert's last, partial m-block takes the
     // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
     const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
-    bool ok;
-    if constexpr (Cfg::kTileN == 192) {
-      const bool odd = (tile.n_block & 1) != 0;
-      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle, odd)
-                    : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle, odd);
-    } else {
-      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                    : Mainloop::template run<false, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
-    }
+    const bool ok = deferred
+                        ? Mainloop::template run<Cfg::kDeferredStore, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                        : Mainloop::template run<false, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {
@@ -285,9 +272,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       if constexpr (Cfg::kSwiGLU) {
         Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
       } else {
-        Sm90EpilogueStoreBf16::run<Cfg::kTileN>(acc, p, tile, wg,
-                                                dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
-                                                kMathBarrierBase + uint32_t(wg));
+        Sm90EpilogueStoreBf16::run(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
+                                   kMathBarrierBase + uint32_t(wg));
       }
     }
     if (done) pending = tile.row0 / kBlockM;
