@@ -37,6 +37,7 @@ class LayerConfigC(ctypes.Structure):
         ("activation_clamp", c_float),
         ("pow2_scales", c_int32),
         ("combine_partials", c_int32),
+        ("timeout_seconds", c_double),
     ]
 
 

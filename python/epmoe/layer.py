@@ -33,6 +33,7 @@ class LayerConfig:
     activation_clamp: float | None = None
     pow2_scales: bool = False
     combine_partials: str = "fp32"  # "fp32" or "bf16": precision of combine's partial sums
+    timeout_seconds: float = 10.0  # bound of every device-side wait, in (0, 3600]
 
     @property
     def experts_per_rank(self) -> int:
@@ -51,6 +52,10 @@ class LayerConfig:
         c.pow2_scales = int(self.pow2_scales)
         c.combine_partials = choice_arg("combine_partials", self.combine_partials,
                                         {"fp32": _lib.PARTIALS_FP32, "bf16": _lib.PARTIALS_BF16})
+        # Why checked here: the C struct reads 0 as "the default", which a Python caller never means.
+        c.timeout_seconds = float_arg("timeout_seconds", self.timeout_seconds)
+        if c.timeout_seconds <= 0:
+            raise InvalidArgument(f"timeout_seconds={self.timeout_seconds} must be in (0, 3600]")
         return c
 
     def validate(self) -> "LayerConfig":
@@ -131,16 +136,18 @@ class Layer:
         combine_partials: "fp32" (default) or "bf16": precision of the per-(token, expert rank)
             partial sums that combine sends back; bf16 halves combine's NVLink bytes at the cost
             of one more bf16 rounding per partial (within SPEC's accuracy bound).
+        timeout_seconds: bound of every device-side wait for a peer or a pipeline stage, in
+            (0, 3600]; a wait that expires fails the call with a message naming it.
     """
 
     def __init__(self, group_or_comm: Any, num_experts: int, hidden: int, intermediate: int,
                  topk: int, max_tokens_per_rank: int, dtype: str = "fp8",
                  activation_clamp: float | None = None, *, pow2_scales: bool = False,
-                 combine_partials: str = "fp32"):
+                 combine_partials: str = "fp32", timeout_seconds: float = 10.0):
         comm = _as_communicator(group_or_comm)
         self.config = LayerConfig(comm.size, num_experts, hidden, intermediate, topk,
                                   max_tokens_per_rank, dtype, activation_clamp,
-                                  pow2_scales, combine_partials).validate()
+                                  pow2_scales, combine_partials, timeout_seconds).validate()
         c = self.config.to_c()
         handle = ctypes.c_void_p()
         _lib.call("epmoe_layer_create", comm.handle, ctypes.byref(c), ctypes.byref(handle))

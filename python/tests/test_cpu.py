@@ -436,6 +436,34 @@ def test_gpu_test_skips_without_gpus():
     assert r.returncode == 0 and r.stdout.startswith("SKIPPED"), (r.stdout, r.stderr)
 
 
+@pytest.mark.parametrize("value,message", [
+    (0, "timeout_seconds=0 must be in (0, 3600]"),
+    (-1.5, "timeout_seconds=-1.5 must be in (0, 3600]"),
+    (float("inf"), "timeout_seconds=inf must be finite"),
+    ("10", "timeout_seconds must be a number"),
+])
+def test_bad_timeout_checked_in_python(value, message):
+    with pytest.raises(epmoe.InvalidArgument) as e:
+        epmoe.LayerConfig(**dict(GOOD, timeout_seconds=value)).validate()
+    assert message in str(e.value)
+
+
+def test_timeout_reaches_the_library():
+    # A valid value passes; one above the library's bound is rejected by the C API's own check.
+    epmoe.LayerConfig(**dict(GOOD, timeout_seconds=2.5)).validate()
+    with pytest.raises(epmoe.InvalidArgument) as e:
+        epmoe.LayerConfig(**dict(GOOD, timeout_seconds=4000.0)).validate()
+    assert "timeout_seconds=4000 must be in (0, 3600]" in str(e.value)
+
+
+def test_c_struct_zero_timeout_means_the_default():
+    # C callers that zero-initialise epmoe_layer_config keep the default bound.
+    import ctypes
+    c = epmoe.LayerConfig(**GOOD).to_c()
+    c.timeout_seconds = 0.0
+    _lib.call("epmoe_validate_config", ctypes.byref(c))
+
+
 def test_library_rejects_unknown_combine_partials():
     # The C API's own check, below Python's: a raw struct with an out-of-range value.
     import ctypes

@@ -131,6 +131,8 @@ Status to_config(const epmoe_layer_config* c, epmoe::LayerConfig* out) {
                    " must be EPMOE_PARTIALS_FP32 (0) or EPMOE_PARTIALS_BF16 (1)");
   out->combine_partials = c->combine_partials == EPMOE_PARTIALS_BF16 ? epmoe::PartialPrecision::kBFloat16
                                                                       : epmoe::PartialPrecision::kFloat32;
+  // 0 keeps LayerConfig's default; any other value goes to validation as given.
+  if (c->timeout_seconds != 0.0) out->timeout_seconds = c->timeout_seconds;
   return Status::Ok();
 }
 
@@ -146,6 +148,7 @@ void from_config(const epmoe::LayerConfig& c, epmoe_layer_config* out) {
   out->pow2_scales = c.pow2_scales ? 1 : 0;
   out->combine_partials = c.combine_partials == epmoe::PartialPrecision::kBFloat16 ? EPMOE_PARTIALS_BF16
                                                                                      : EPMOE_PARTIALS_FP32;
+  out->timeout_seconds = c.timeout_seconds;
 }
 
 Status check_device_index(int device) {
