@@ -306,23 +306,14 @@ Json bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s, const Out
   const double flops = 2.0 * double(total_rows) * sh.n * sh.k;
   const double bytes = double(G) * sh.n * sh.k * el + double(total_rows) * sh.k * el + double(total_rows) * sh.n * 2;
   // Planned once, as the layer does; the timed loop only launches.
-  // FP8 L2 on both tile widths (the 128-column one is opt-in, docs/DESIGN.md): "L2" is the
-  // 256-column kernel, "L2n128" the 128-column one; BF16 has only the first.
-  gemm::GemmPlan plan_l2, plan_l2n, plan_l1;
-  const epmoe::Status st2 =
-      gemm::plan_l2(dt, args, b.a, b.as, b.w, b.ws, sh.k, sh.n, b.out, &plan_l2, gemm::L2Tile::kN256);
-  const epmoe::Status st2n =
-      fp8 ? gemm::plan_l2(dt, args, b.a, b.as, b.w, b.ws, sh.k, sh.n, b.out, &plan_l2n, gemm::L2Tile::kN128)
-          : epmoe::Status::Ok();
+  gemm::GemmPlan plan_l2, plan_l1;
+  const epmoe::Status st2 = gemm::plan_l2(dt, args, b.a, b.as, b.w, b.ws, sh.k, sh.n, b.out, &plan_l2);
   const epmoe::Status st1 =
       gemm::plan_l1(dt, args, b.a, b.as, b.w, b.ws, b.rw, sh.k, sh.n / 2, 0.0f, false, b.out, b.out_s, &plan_l1);
   if (!st2.ok()) std::fprintf(note, "  plan_l2: %s\n", st2.to_string().c_str());
-  if (!st2n.ok()) std::fprintf(note, "  plan_l2 (128-column tiles): %s\n", st2n.to_string().c_str());
   if (!st1.ok()) std::fprintf(note, "  plan_l1: %s\n", st1.to_string().c_str());
   bool ok = true;
   auto ours_l2 = [&] { ok &= gemm::launch(plan_l2, s).ok(); };
-  std::function<void()> ours_l2n;
-  if (fp8) ours_l2n = [&] { ok &= gemm::launch(plan_l2n, s).ok(); };
   auto ours_l1 = [&] { ok &= gemm::launch(plan_l1, s).ok(); };
   // cuBLASLt (FP8, block-scaled, per expert) or the grouped bf16 GEMM, timed in turns with ours.
   LtFp8 lt;
@@ -343,17 +334,14 @@ Json bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s, const Out
       ref_note = "cublasGemmGroupedBatchedEx failed";
     }
   }
-  const std::vector<double> tm = time_ms_turns({ours_l2, ours_l1, ref, ours_l2n}, iters, s);
-  const double t2 = tm[0], t1 = tm[1], tref = tm[2], t2n = tm[3];
+  const std::vector<double> tm = time_ms_turns({ours_l2, ours_l1, ref}, iters, s);
+  const double t2 = tm[0], t1 = tm[1], tref = tm[2];
   if (!ok) std::fprintf(note, "  (a gemm call returned an error)\n");
 
   const double tf2 = flops / (t2 * 1e9), tf1 = flops / (t1 * 1e9), tfr = flops / (tref * 1e9);
-  const double tf2n = flops / (t2n * 1e9);
-  char n128[64] = "        -        -      -";
-  if (fp8) std::snprintf(n128, sizeof(n128), "%9.3f %8.1f %6.2f", t2n, tf2n, tf2n / tfr);
   if (!out.json_stdout())
-    std::printf("%-5s %-26s %9.3f %8.1f %8.0f | %9.3f %8.1f | %9.3f %8.1f %6.2f | %s %s\n", fp8 ? "fp8" : "bf16",
-                sh.name.c_str(), t2, tf2, bytes / (t2 * 1e6), t1, tf1, tref, tfr, tf2 / tfr, n128, ref_note.c_str());
+    std::printf("%-5s %-26s %9.3f %8.1f %8.0f | %9.3f %8.1f | %9.3f %8.1f %6.2f %s\n", fp8 ? "fp8" : "bf16",
+                sh.name.c_str(), t2, tf2, bytes / (t2 * 1e6), t1, tf1, tref, tfr, tf2 / tfr, ref_note.c_str());
   std::fflush(stdout);
   // The table's columns, same precision; null where the table has "-" or the time is missing.
   Json j;
@@ -373,9 +361,6 @@ Json bench_shape(const Shape& sh, DType dt, int iters, cudaStream_t s, const Out
   j["ref_ms"] = json_number(tref, 3);
   j["ref_tflops"] = json_number(tfr, 1);
   j["ratio"] = json_number(tf2 / tfr, 2);
-  j["l2n128_ms"] = fp8 ? json_number(t2n, 3) : Json(nullptr);
-  j["l2n128_tflops"] = fp8 ? json_number(tf2n, 1) : Json(nullptr);
-  j["l2n128_ratio"] = fp8 ? json_number(tf2n / tfr, 2) : Json(nullptr);
   j["ref_note"] = ref_note;
   j["calls_ok"] = ok;
   cudaFree(b.a), cudaFree(b.as), cudaFree(b.w), cudaFree(b.ws), cudaFree(b.out), cudaFree(b.out_s);
@@ -435,8 +420,8 @@ int run_gemm(const GemmFlags& f, const Output& out) {
   if (!out.json_stdout()) {
     std::printf("epmoe-bench gemm on %s (%d SMs); median of 5 x %d calls, the kernels of a shape timed in turns\n",
                 prop.name, prop.multiProcessorCount, iters);
-    std::printf("%-5s %-26s %9s %8s %8s | %9s %8s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "shape (G,M,N,K)", "L2 ms",
-                "TFLOP/s", "GB/s", "L1 ms", "TFLOP/s", "ref ms", "TFLOP/s", "ratio", "L2n128 ms", "TFLOP/s", "ratio");
+    std::printf("%-5s %-26s %9s %8s %8s | %9s %8s | %9s %8s %6s\n", "dtype", "shape (G,M,N,K)", "L2 ms", "TFLOP/s",
+                "GB/s", "L1 ms", "TFLOP/s", "ref ms", "TFLOP/s", "ratio");
   }
   cudaStream_t s;
   BENCH_CUDA(cudaStreamCreate(&s));
@@ -479,8 +464,8 @@ epmoe::bench::Run setup_gemm(CLI::App& app) {
       ->type_name("G,M,N,K")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app.footer("Prints one row per (dtype, shape): the L2 and L1 kernels, the cuBLAS(Lt) reference and, for FP8, the "
-             "128-column L2 tile. Without a GPU it says so and exits 0.");
+  app.footer("Prints one row per (dtype, shape): the L2 and L1 kernels and the cuBLAS(Lt) reference. Without a GPU "
+             "it says so and exits 0.");
   return [f](const Output& out) { return run_gemm(*f, out); };
 }
 

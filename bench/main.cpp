@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "tuning_env.h"
 
 namespace {
 
@@ -30,6 +31,9 @@ std::string failure_message(const CLI::App* app, const CLI::Error& e) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The EPMOE_* tuning switches for A/B runs (tools/gpu_all.sh sets some), before any layer or
+  // dispatch handle exists; forked ranks inherit them.
+  epmoe::testing_env::apply_tuning_env();
   CLI::App app{"epmoe-bench: benchmarks of the epmoe MoE layer and its parts on Hopper GPUs.",
                "epmoe-bench"};
   app.require_subcommand(1);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|n128|ab|diag|sanitize|ranks|trace]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -154,7 +154,7 @@ if [ "$mode" = peer-gemm ]; then
     ncu_export ncu_deepgemm
     # E1: the L2 kernel (bf16 out), E3: the L1 kernel (SwiGLU + FP8 requant), Sm90Epilogue's order.
     for e in E1 E3; do
-      step "ncu_ours_$e" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}ELi4ELi256E" \
+      step "ncu_ours_$e" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}ELi4EE" \
         -o "$out/ncu_ours_$e" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,4096,4096,7168
       ncu_export "ncu_ours_$e"
     done
@@ -326,45 +326,12 @@ if [ "$mode" = probe ]; then
   done
   finish
 fi
-if [ "$mode" = n128 ]; then
-  # The FP8 L2 kernel on 128-column tiles (opt-in, docs/DESIGN.md): the GEMM tests, the benchmark
-  # (its L2n128 column) at the standard shapes and a K sweep, ncu's tensor activity of both L2
-  # kernels at the two layer shapes, the R = 1 pipeline e2e tests and the layer with either tile.
-  step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
-  step bench_gemm 200 "$bin/epmoe-bench" gemm --dtype fp8
-  step bench_gemm_ksweep 200 "$bin/epmoe-bench" gemm --dtype fp8 --shape 8,4096,4096,2048 --shape 8,4096,4096,3584 \
-    --shape 8,4096,4096,7168 --shape 8,4096,4096,14336 --shape 8,4096,4096,28672
-  m=sm__cycles_elapsed.max,sm__cycles_elapsed.avg.per_second
-  m+=,sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed
-  m+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed
-  m+=,l1tex__m_xbar2l1tex_read_bytes.sum.pct_of_peak_sustained_elapsed,lts__t_bytes.sum.pct_of_peak_sustained_elapsed
-  for shape in 8,4096,7168,2048 8,4096,4096,7168; do
-    for kernel in 'ILb1ELNS0_12Sm90EpilogueE1ELi4E' 'Li6ELi128E'; do
-      step "ncu_l2_${shape//,/_}_${kernel:0:8}" 200 "${ncu_bin:-/nonexistent/ncu}" --clock-control none \
-        --kernel-name-base mangled -k "regex:$kernel" -c 1 --launch-skip 3 --metrics "$m" \
-        "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape "$shape"
-    done
-  done
-  export EPMOE_TEST_RANKS=1 EPMOE_L2_TILE_N=128
-  step r1_pipeline_n128 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*'
-  unset EPMOE_TEST_RANKS
-  for round in 1 2; do
-    for t in 256 128; do
-      export EPMOE_L2_TILE_N=$t
-      step "r1_layer_l2tile${t}_$round" 90 "$bin/epmoe-bench" layer --ranks 1 --path pipeline \
-        --tokens 128,1024,4096,8192 --partials bf16
-    done
-  done
-  unset EPMOE_L2_TILE_N
-  finish
-fi
 if [ "$mode" = profile ]; then
   # The L2 (plain-epilogue) FP8 kernel, then the L1 one, each at the first shape of --quick (the
   # bench runs 3 warm-up + 5 timed calls per kernel and shape with --iters 1): the sections as
   # text, and the per-instruction stall samples (SourceCounters) as a CSV of the SASS.
   # E1 = the L2 kernel (kStoreBf16Deferred), E3 = the L1 kernel (kSwiGLUDeferred): Sm90Epilogue's order.
-  # EPMOE_PROFILE_KERNELS / EPMOE_PROFILE_SHAPE: other kernels (mangled-name regexes) and shape, e.g.
-  # the 128-column L2 kernel 'Li6ELi128E' against 'ILb1ELNS0_12Sm90EpilogueE1ELi4E'.
+  # EPMOE_PROFILE_KERNELS / EPMOE_PROFILE_SHAPE: other kernels (mangled-name regexes) and shape.
   for kernel in ${EPMOE_PROFILE_KERNELS:-ILb1ELNS0_12Sm90EpilogueE1E ILb1ELNS0_12Sm90EpilogueE3E}; do
     step "ncu_fp8_${kernel: -10}" 300 "${ncu_bin:-/nonexistent/ncu}" --clock-control none --kernel-name-base mangled \
       -k "regex:${kernel}" -c 1 --launch-skip 3 --section SpeedOfLight \

@@ -90,8 +90,8 @@ class DispatchHandle {
   /// wait that timed out has trapped (the CUDA context is lost); that shows up here as kTimeout with
   /// the kernel's record in the message ("[epmoe] TIMEOUT rank R block B thread T: flag NAME[i]
   /// expected >= E, seen S after W ms"), also printed to stderr. Another sticky CUDA error: kCudaError.
-  /// Debug only: EPMOE_DEBUG_NEVER_ARRIVE=<rank> at create makes that rank launch nothing, so the
-  /// peers time out (docs/COMM.md).
+  /// Tests only: an internal hook set before create makes one rank launch nothing, so the peers
+  /// time out (docs/COMM.md, "Debug injection").
   Status check_errors(cudaStream_t stream);
 
  private:

@@ -20,6 +20,7 @@
 #include "device/layout/expert_pool.h"
 #include "host/check.h"
 #include "host/dispatch_internal.h"
+#include "host/heuristics.h"
 
 namespace epmoe {
 namespace {
@@ -53,24 +54,14 @@ std::string config_field_value(int field, int64_t v) {
   }
 }
 
-// EPMOE_DEBUG_NEVER_ARRIVE=<rank>: that rank's handle never launches its kernels (docs/COMM.md).
-// Read once at create. A malformed value is ignored with a warning rather than failing create on
-// one rank only, which would leave the peers blocked in the collective steps of create.
+// The test hook detail::set_debug_never_arrive_rank: that rank's handle never launches its
+// kernels (docs/COMM.md). Read once at create.
 bool read_never_arrive(int rank) {
-  const char* env = std::getenv("EPMOE_DEBUG_NEVER_ARRIVE");
-  if (!env || !*env) return false;
-  errno = 0;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  if (errno != 0 || end == env || *end != '\0') {
-    std::fprintf(stderr, "[epmoe] rank %d: ignoring EPMOE_DEBUG_NEVER_ARRIVE='%s' (not a rank number)\n", rank, env);
-    return false;
-  }
-  if (v != rank) return false;
+  if (detail::debug_never_arrive_rank() != rank) return false;
   std::fprintf(stderr,
-               "[epmoe] rank %d: EPMOE_DEBUG_NEVER_ARRIVE=%ld: this rank launches no dispatch/combine/fused kernel; "
-               "its peers will time out (debug only)\n",
-               rank, v);
+               "[epmoe] rank %d: the never-arrive test hook names this rank: it launches no dispatch/combine/fused "
+               "kernel; its peers will time out (debug only)\n",
+               rank);
   return true;
 }
 
@@ -181,8 +172,8 @@ struct DispatchHandle::Impl {
   char* pool = nullptr;
   bool owns_pool = false;
   int num_blocks = 0;
-  int env_blocks = 0;  // EPMOE_COMM_BLOCKS, read once at create (not on every call)
-  bool never_arrive = false;  // EPMOE_DEBUG_NEVER_ARRIVE names this rank, read once at create
+  heuristics::TuningOverrides overrides;  // detail::tuning_overrides(), copied at create
+  bool never_arrive = false;  // the never-arrive test hook names this rank, read once at create
   int64_t last_tokens = -1;
   // Where a device-side wait that expires reports (mapped pinned host memory: readable after the
   // trap has killed the context). Host view and the device address the kernels get.
@@ -209,15 +200,14 @@ struct DispatchHandle::Impl {
     return p;
   }
   uint64_t timeout_ns() const { return uint64_t(cfg.timeout_seconds * 1e9); }
-  // Why fewer blocks for few tokens: every block pays for the grid barrier, the flag waits and a
-  // system-scope fence; a small call has too little work to hide that. Any size is correct.
+  // The grid of a dispatch or combine launch (heuristics::choose_comm_blocks).
   int blocks_for(int64_t tokens, int warps_per_block) const {
-    if (cfg.num_blocks > 0) return num_blocks;
-    if (env_blocks > 0) return env_blocks < num_blocks ? env_blocks : num_blocks;
-    // About one warp per (token, rank, 1024-channel slice): the kernels' unit of work.
-    const int64_t slices = (shape.hidden + 1023) / 1024;
-    const int64_t want = (tokens * shape.num_ranks * slices + warps_per_block - 1) / warps_per_block;
-    return int(want < 16 ? 16 : (want > num_blocks ? num_blocks : want));
+    heuristics::CommShape s;
+    s.num_ranks = shape.num_ranks;
+    s.hidden = shape.hidden;
+    s.max_blocks = num_blocks;
+    s.fixed_blocks = cfg.num_blocks > 0;
+    return heuristics::choose_comm_blocks(s, tokens, warps_per_block, overrides);
   }
 };
 
@@ -266,7 +256,7 @@ Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std
   int max_blocks = 0;
   EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
   m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < max_blocks ? cfg.num_blocks : max_blocks;
-  if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) m->env_blocks = std::atoi(env);
+  m->overrides = detail::tuning_overrides();
   m->never_arrive = read_never_arrive(comm.rank());
 
   const layout::CommSymLayout sym{m->shape};
@@ -425,7 +415,7 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
       if (!r.printed && !m.timeout_printed) std::fprintf(stderr, "%s\n", line);
       m.timeout_printed = true;
       os << "a device-side wait for a peer timed out and trapped: " << line
-         << ". Likely a peer rank stalled, died, skipped the call (EPMOE_DEBUG_NEVER_ARRIVE) or issued "
+         << ". Likely a peer rank stalled, died, skipped the call (the never-arrive test hook) or issued "
          << "dispatch/combine/forward calls in a different order. cudaStreamSynchronize failed: "
          << cudaGetErrorName(sync) << " (" << cudaGetErrorString(sync)
          << "). The CUDA context is unusable after this; restart the process";

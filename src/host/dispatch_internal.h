@@ -19,7 +19,7 @@ struct DispatchAccess {
   static comm::DispatchParams dispatch_params(const DispatchHandle& h, const void* x, const int32_t* topk_idx,
                                               const float* topk_weights, int64_t num_tokens);
   static comm::CombineParams combine_params(const DispatchHandle& h, void* y);
-  // EPMOE_DEBUG_NEVER_ARRIVE names this rank: launch nothing (the fused path must honour it too).
+  // The never-arrive test hook (detail::set_debug_never_arrive_rank) names this rank: launch nothing (the fused path must honour it too).
   static bool never_arrive(const DispatchHandle& h);
   // Whether a bounded device wait of this handle's kernels has written its timeout record (mapped
   // host memory: readable without a sync, also after the trap killed the context).

@@ -127,9 +127,7 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
   EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a, a, fp8, g.max_rows, k, k, kBlockM,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations"));
-  // The 128-column kernel's CTA pairs each load half of a weight tile (64 rows) into both CTAs.
-  const int b_box_rows = stage == GemmStage::kL2N128 ? 64 : kBlockN;
-  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, b_box_rows,
+  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, kBlockN,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights"));
   if (stage != GemmStage::kL1)
     EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, false, g.max_rows, n, p.out_ld, 64,
@@ -142,7 +140,6 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
                         : detail::configure_sm90_grouped_gemm_bf16(stage, plan.device));
   plan.fp8 = fp8;
   plan.l1 = stage == GemmStage::kL1;
-  plan.n128 = stage == GemmStage::kL2N128;
   plan.params = p;
   *out = plan;
   return Status::Ok();
@@ -229,24 +226,8 @@ Status plan_l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_
   return build_plan(fp8, GemmStage::kL1, g, x, w1, 2 * inter, hidden, p, out);
 }
 
-// The FP8 L2 tile for kAuto: EPMOE_L2_TILE_N if set (128 or 256; anything else is an error), else
-// the default below.
-static Status resolve_l2_tile(L2Tile tile, bool* n128) {
-  if (tile != L2Tile::kAuto) {
-    *n128 = tile == L2Tile::kN128;
-    return Status::Ok();
-  }
-  *n128 = false;
-  const char* env = std::getenv("EPMOE_L2_TILE_N");
-  if (env == nullptr || *env == 0) return Status::Ok();
-  const std::string v(env);
-  if (v != "128" && v != "256") return invalid("gemm::l2: EPMOE_L2_TILE_N='", v, "' must be 128 or 256");
-  *n128 = v == "128";
-  return Status::Ok();
-}
-
 Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale, const void* w2,
-               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out, L2Tile tile) {
+               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out) {
   const bool fp8 = dtype == DType::kFP8;
   if (out == nullptr) return invalid("gemm::l2: the plan output is null");
   if (dtype != DType::kFP8 && dtype != DType::kBF16) return invalid("gemm::l2: unknown dtype ", int(dtype));
@@ -263,15 +244,12 @@ Status plan_l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_
   p.b_scale = fp8 ? w2_scale : nullptr;
   p.out = o;
   p.out_ld = hidden;
-  if (!fp8 && tile == L2Tile::kN128) return invalid("gemm::l2: 128-column tiles exist for FP8 only");
-  bool n128 = false;
-  EPMOE_RETURN_IF_ERROR(resolve_l2_tile(tile, &n128));
-  return build_plan(fp8, fp8 && n128 ? GemmStage::kL2N128 : GemmStage::kL2, g, a, w2, hidden, inter, p, out);
+  return build_plan(fp8, GemmStage::kL2, g, a, w2, hidden, inter, p, out);
 }
 
 Status launch(const GemmPlan& plan, cudaStream_t stream, bool weights_evict_first) {
   if (plan.device < 0 || plan.grid <= 0) return invalid("gemm::launch: the plan is empty (plan_l1/plan_l2 failed or was not called)");
-  const GemmStage stage = plan.l1 ? GemmStage::kL1 : plan.n128 ? GemmStage::kL2N128 : GemmStage::kL2;
+  const GemmStage stage = plan.l1 ? GemmStage::kL1 : GemmStage::kL2;
   GroupedGemmParams params = plan.params;
   params.weights_evict_first = weights_evict_first ? 1 : 0;
   EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d,
@@ -291,9 +269,9 @@ Status l1(DType dtype, const GroupedArgs& g, const void* x, const float* x_scale
 }
 
 Status l2(DType dtype, const GroupedArgs& g, const void* a, const float* a_scale, const void* w2,
-          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream, L2Tile tile) {
+          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream) {
   GemmPlan plan;
-  EPMOE_RETURN_IF_ERROR(plan_l2(dtype, g, a, a_scale, w2, w2_scale, inter, hidden, o, &plan, tile));
+  EPMOE_RETURN_IF_ERROR(plan_l2(dtype, g, a, a_scale, w2, w2_scale, inter, hidden, o, &plan));
   return launch(plan, stream);
 }
 

@@ -68,14 +68,8 @@ Status l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_sc
 
 // ---- L2: o = a W2^T, accumulated in fp32, bf16 out [max_rows][H] ---------------------------------
 // FP8: a e4m3 [max_rows][I] with a_scale [I/128][scale_stride]; BF16: a bf16 [max_rows][I].
-// The FP8 L2 kernel's tile: 128 x 256 with the "halves" mainloop, or 128 x 128 with two scratch
-// accumulators (opt-in, docs/DESIGN.md). kAuto: the library's choice; the environment variable
-// EPMOE_L2_TILE_N=256 or 128 overrides it (A/B measurements; BF16 then keeps 256). kN128 with
-// BF16 is an InvalidArgument.
-enum class L2Tile { kAuto, kN256, kN128 };
 Status l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
-          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream,
-          L2Tile tile = L2Tile::kAuto);
+          const float* w2_scale, int inter, int hidden, void* o, cudaStream_t stream);
 
 // ---- Prepared launches -------------------------------------------------------------------------
 // Everything one kernel launch needs, built on the host by plan_l1 / plan_l2 for the device that
@@ -86,7 +80,6 @@ struct GemmPlan {
   int device = -1;  // CUDA device the plan was built for; -1: empty (launch rejects it)
   bool fp8 = false;
   bool l1 = false;  // L1 (SwiGLU epilogue) or L2 (bf16 store)
-  bool n128 = false;  // L2 on 128-column tiles (FP8 only)
   int grid = 0;     // persistent blocks: one per SM
   CUtensorMap map_a{};  // pool activations [max_rows][k]
   CUtensorMap map_b{};  // weights [num_groups * n][k]
@@ -102,7 +95,7 @@ Status plan_l1(DType dtype, const GroupedArgs& args, const void* x, const float*
                const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp,
                bool pow2_scales, void* a, float* a_scale, GemmPlan* out);
 Status plan_l2(DType dtype, const GroupedArgs& args, const void* a, const float* a_scale, const void* w2,
-               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out, L2Tile tile = L2Tile::kAuto);
+               const float* w2_scale, int inter, int hidden, void* o, GemmPlan* out);
 
 // Enqueues the planned kernel on `stream` (cudaLaunchKernelEx; no other CUDA call). The plan's
 // device must be current. Fails only on an empty plan or when the launch itself fails.

@@ -17,6 +17,7 @@
 #include "device/kernels/sm90_fused_launch.h"
 #include "host/dispatch_internal.h"
 #include "host/gemm.h"
+#include "host/heuristics.h"
 #include "host/layer_impl.h"
 
 namespace epmoe {
@@ -84,23 +85,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                               static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_);
     // Why not fail create: the pipeline works without the megakernel; forward(kFused) reports this.
     fused_status_ = planned.ok() ? configure_fused() : Status::Ok();
-    // Benchmark / A-B switch for the megakernel's epilogue variant (docs/MEGAKERNEL.md): "inline"
-    // or "deferred" forces one; anything else (or unset) lets fused_deferred() choose per call.
-    if (const char* env = std::getenv("EPMOE_FUSED_EPILOGUE")) {
-      const std::string v(env);
-      fused_epilogue_ = v == "inline" ? 1 : v == "deferred" ? 2 : 0;
-    }
-    // Benchmark / A-B switches for the megakernel's weight prefetch (K blocks, 0..64), B-first
-    // loads and tile claims (0 or 1); out-of-range values are ignored (docs/MEGAKERNEL.md).
-    const auto env_switch = [](const char* name, int lo, int hi, int& out) {
-      if (const char* env = std::getenv(name)) {
-        const int v = std::atoi(env);
-        if (v >= lo && v <= hi) out = v;
-      }
-    };
-    env_switch("EPMOE_FUSED_PREFETCH", 0, 64, fused_prefetch_);
-    env_switch("EPMOE_FUSED_B_FIRST", 0, 1, fused_b_first_);
-    env_switch("EPMOE_FUSED_CLAIM", 0, 1, fused_claim_);
+    // The benchmark's and tests' forced choices (A/B measurements), as they stand now.
+    overrides_ = detail::tuning_overrides();
     return agree_across_ranks(planned);
   }
 
@@ -170,7 +156,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       if (!st.ok()) return timing_failed(st);
     }
     if (detail::DispatchAccess::never_arrive(*dispatch_)) {
-      // Debug injection (EPMOE_DEBUG_NEVER_ARRIVE): this rank launches nothing, so its peers' bounded
+      // Debug injection (the never-arrive test hook): this rank launches nothing, so its peers' bounded
       // waits expire and report. Returns Ok, as a rank that silently fell behind would.
       detail::DispatchAccess::set_last_tokens(*dispatch_, num_tokens);
       last_path_ = Path::kPipeline;  // no phase stamps were written: report the (empty) events
@@ -184,12 +170,13 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.dispatch = detail::DispatchAccess::dispatch_params(*dispatch_, x, topk_idx, topk_weights, num_tokens);
       fp.l1 = plan_l1_.params;
       fp.l2 = plan_l2_.params;
-      fp.l1.weights_evict_first = fp.l2.weights_evict_first = tiny_call(num_tokens) ? 1 : 0;
+      const heuristics::Tuning t = tuning(num_tokens);
+      fp.l1.weights_evict_first = fp.l2.weights_evict_first = t.weights_evict_first ? 1 : 0;
       fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
       fp.phase_ts = nullptr;
-      fp.prefetch_k_blocks = fused_prefetch_;
-      fp.b_first = fused_b_first(num_tokens) ? 1 : 0;
-      fp.claim_tiles = fused_claim(num_tokens) ? 1 : 0;
+      fp.prefetch_k_blocks = t.fused_prefetch_k_blocks;
+      fp.b_first = t.fused_b_first ? 1 : 0;
+      fp.claim_tiles = t.fused_claim_tiles ? 1 : 0;
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
         const Status z = detail::cuda_status(
@@ -200,7 +187,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       }
       const fused::FusedMoeMaps maps{plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a,
                                      plan_l2_.map_b, plan_l1_.map_d, plan_l2_.map_d};
-      const bool deferred = fused_deferred(num_tokens);
+      const bool deferred = t.fused_deferred_epilogue;
       const cudaError_t e = cfg_.dtype == DType::kFP8
                                 ? fused::launch_sm90_fused_moe_fp8(maps, fp, deferred, fused_grid_, stream)
                                 : fused::launch_sm90_fused_moe_bf16(maps, fp, deferred, fused_grid_, stream);
@@ -225,9 +212,10 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // From here on every peer waits for this rank's combine: an error no longer returns early.
     // It is kept, combine still runs (y is then undefined), and the first one is returned.
     record(1, stream);
-    Status st = gemm::launch(plan_l1_, stream, tiny_call(num_tokens));
+    const bool evict_first = tuning(num_tokens).weights_evict_first;
+    Status st = gemm::launch(plan_l1_, stream, evict_first);
     record(2, stream);
-    if (st.ok()) st = gemm::launch(plan_l2_, stream, tiny_call(num_tokens));
+    if (st.ok()) st = gemm::launch(plan_l2_, stream, evict_first);
     record(3, stream);
     Status combined = dispatch_->combine(y, num_tokens, stream);
     record(4, stream);
@@ -309,48 +297,12 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel
-  int fused_epilogue_ = 0;            // 0: per call (fused_deferred), 1: inline, 2: deferred
-  // K blocks of its first L1 weight tile each block of the megakernel prefetches into L2 during the
-  // pull. Why 0: since the GEMM tiles wait for their rows and not for a grid barrier, the
-  // prefetch's 34 MB (8 K blocks) only delayed the pull; at R = 1 no prefetch was fastest at 1, 8
-  // and 128 tokens (docs/DESIGN.md, "The megakernel's schedule"). To be measured again at R >= 2,
-  // where the pull waits on NVLink.
-  int fused_prefetch_ = 0;
-  int fused_b_first_ = -1;  // -1: per call (fused_b_first), 0: off, 1: on
-  int fused_claim_ = -1;    // -1: per call (fused_claim), 0: off, 1: on
+  heuristics::TuningOverrides overrides_;  // detail::tuning_overrides() at create
 
-  // The smallest decode calls: an expert holds at most one row on average (num_tokens x topk <=
-  // experts_per_rank, with every rank at num_tokens), so the pull is a few units, the weight
-  // stream is the critical path and every weight tile is read once. Both paths then load weights
-  // with an L2 evict-first policy (gemm::launch), and the megakernel's producers load a tile's
-  // weights before its rows are ready (fused_b_first). Measured at R = 1 (docs/DESIGN.md): each
-  // gains at 1 token and costs at 8 or 128.
-  bool tiny_call(int num_tokens) const {
-    return int64_t(num_tokens) * cfg_.topk <= int64_t(cfg_.experts_per_rank());
-  }
-  bool fused_b_first(int num_tokens) const {
-    if (fused_b_first_ >= 0) return fused_b_first_ == 1;
-    return tiny_call(num_tokens);
-  }
-  // Whether the megakernel's blocks claim their GEMM tiles from a grid-wide counter (the dynamic
-  // order) rather than take them in the static order. Measured at R = 1 (three rounds,
-  // docs/DESIGN.md, "The megakernel's schedule"): claims took 90 us off 4096 tokens, 70 off 8192, 35 off
-  // 1024 and 17 off 8; in tiny calls they were 2-10 us slower at 1-2 tokens (means of two calls;
-  // also with each block's first tile static) and level at 4, so they stay off there, where the
-  // decode calls of 1-2 tokens are.
-  bool fused_claim(int num_tokens) const {
-    if (fused_claim_ >= 0) return fused_claim_ == 1;
-    return !tiny_call(num_tokens);
-  }
-
-  // The megakernel's variant for a call of num_tokens local tokens: the throughput variant (TMA
-  // stores of full tiles by a storer thread) once an expert holds 256 rows on average
-  // (num_tokens x topk / experts_per_rank, with every rank at num_tokens), i.e. most tiles are
-  // full; below that most tiles are partial, which only the inline store handles, and the decode
-  // variant spills less (docs/MEGAKERNEL.md, Configuration per call; docs/DESIGN.md).
-  bool fused_deferred(int num_tokens) const {
-    if (fused_epilogue_ != 0) return fused_epilogue_ == 2;
-    return int64_t(num_tokens) * cfg_.topk >= int64_t(256) * cfg_.experts_per_rank();
+  // This call's tuning choices (src/host/heuristics.h), with the overrides copied at create.
+  heuristics::Tuning tuning(int num_tokens) const {
+    return heuristics::choose_layer_tuning(heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank()}, num_tokens,
+                                           overrides_);
   }
 
   // Collective, after DispatchHandle::create: every rank learns whether planning the GEMMs and

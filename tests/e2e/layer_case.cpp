@@ -15,6 +15,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/layer.h"
 #include "host/check.h"
+#include "host/heuristics.h"
 #include "reference/compare.h"
 #include "reference/numeric.h"
 #include "reference/reference.h"
@@ -340,32 +341,28 @@ std::string LayerCase::describe() const {
   return os.str();
 }
 
-// Sets `name` to `value` (nullptr: leaves it alone) until the end of the scope, then restores it.
-class ScopedEnv {
+// Forces the megakernel's epilogue variant ("inline", "deferred"; nullptr: leaves the overrides
+// alone) in this process's tuning overrides until the end of the scope, then restores them.
+class ScopedFusedEpilogue {
  public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (!value) return;
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
+  explicit ScopedFusedEpilogue(const char* variant) {
+    if (!variant) return;
+    old_ = detail::tuning_overrides();
+    heuristics::TuningOverrides o = old_;
+    const std::string v(variant);
+    o.fused_epilogue = v == "inline" ? 1 : v == "deferred" ? 2 : 0;
+    detail::set_tuning_overrides(o);
     set_ = true;
   }
-  ~ScopedEnv() {
-    if (!set_) return;
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
+  ~ScopedFusedEpilogue() {
+    if (set_) detail::set_tuning_overrides(old_);
   }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ScopedFusedEpilogue(const ScopedFusedEpilogue&) = delete;
+  ScopedFusedEpilogue& operator=(const ScopedFusedEpilogue&) = delete;
 
  private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false, set_ = false;
+  heuristics::TuningOverrides old_;
+  bool set_ = false;
 };
 
 Status run_layer_case(const RankContext& ctx, const LayerCase& c, uint64_t seed) {
@@ -383,10 +380,10 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
   LayerConfig cfg = make_config(p);
   if (c.bf16_partials) cfg.combine_partials = PartialPrecision::kBFloat16;
   {
-    // The case's megakernel variant, in this rank's process while the layer reads it at create; then
-    // the environment as it was. Why scoped: set for good, it also forced the variant on every
+    // The case's megakernel variant, in this rank's overrides while the layer copies them at create;
+    // then the overrides as they were. Why scoped: set for good, it also forced the variant on every
     // later case of the process (and overrode an outer EPMOE_FUSED_EPILOGUE for them).
-    ScopedEnv epilogue("EPMOE_FUSED_EPILOGUE", c.fused_epilogue);
+    ScopedFusedEpilogue epilogue(c.fused_epilogue);
     EPMOE_RETURN_IF_ERROR(MoELayer::create(comm, cfg, &layer));
   }
   cudaStream_t stream;

@@ -43,9 +43,9 @@ struct LayerCase {
   // With path = kFused, on every checked call also: the pipeline on the same inputs must give a
   // bitwise identical y, and a second fused call must too (determinism).
   bool cross_check_paths = true;
-  // The megakernel's epilogue variant, through EPMOE_FUSED_EPILOGUE in this rank's process while
-  // the layer is created (restored afterwards): "inline", "deferred", or nullptr for the per-call
-  // choice (or whatever the environment says).
+  // The megakernel's epilogue variant, through the tuning overrides (src/host/heuristics.h) of this
+  // rank's process while the layer is created (restored afterwards): "inline", "deferred", or
+  // nullptr for the per-call choice (or whatever EPMOE_FUSED_EPILOGUE set at the start of main).
   const char* fused_epilogue = nullptr;
   // The command line that replays this case (env + binary + gtest filter), named in every failure.
   std::string replay;

@@ -1,7 +1,7 @@
-// A rank that never arrives: with EPMOE_DEBUG_NEVER_ARRIVE=0, rank 0 launches nothing, so rank 1's
-// bounded wait for rank 0's dispatch flag expires and traps. The test checks that rank 1's
-// check_device_error() then returns a kTimeout Status that carries the device's record (rank, flag,
-// expected, seen), on both paths: the pipeline's kernels (which also printf) and the fused kernel
+// A rank that never arrives: with the never-arrive test hook naming rank 0
+// (detail::set_debug_never_arrive_rank), rank 0 launches nothing, so rank 1's bounded wait for
+// rank 0's dispatch flag expires and traps. The test checks that rank 1's check_device_error()
+// then returns a kTimeout Status that carries the device's record (rank, flag, expected, seen), on both paths: the pipeline's kernels (which also printf) and the fused kernel
 // (which cannot). Each case runs in its own forked ranks: the trap kills rank 1's CUDA context.
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -17,6 +17,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/launcher.h"
 #include "epmoe/layer.h"
+#include "host/heuristics.h"
 #include "mgpu/mgpu_util.h"
 
 namespace epmoe::e2e {
@@ -41,8 +42,9 @@ struct DevBuf {
 Status never_arrive_rank(const RankContext& ctx, Path path, const int done[2]) {
   const bool silent = ctx.rank == kSilentRank;
   close(silent ? done[1] : done[0]);
-  // Read once by DispatchHandle::create; every rank sees the same value, only rank 0 acts on it.
-  setenv("EPMOE_DEBUG_NEVER_ARRIVE", std::to_string(kSilentRank).c_str(), 1);
+  // The test hook, read once by DispatchHandle::create; every rank sets the same rank, only rank 0
+  // acts on it.
+  epmoe::detail::set_debug_never_arrive_rank(kSilentRank);
 
   LayerConfig cfg;
   cfg.num_ranks = ctx.size;

@@ -33,7 +33,6 @@ struct Case {
   float clamp = 0.0f;
   bool pow2 = false;
   bool exact = false;  // small-integer operands: the fp32 GEMM is exact, the epilogue must match ~bit for bit
-  gemm::L2Tile tile = gemm::L2Tile::kAuto;  // L2: the FP8 kernel's tile width
 };
 
 template <class T>
@@ -207,7 +206,7 @@ void run_case(const Case& c, uint64_t seed) {
     EPMOE_OK(gemm::prepare_w2(c.dtype, d_w.ptr, fp8 ? d_ws.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr, G,
                               c.hidden, c.inter, stream));
     EPMOE_OK(gemm::l2(c.dtype, args, d_a.ptr, fp8 ? d_as.ptr : nullptr, d_w_int.ptr, fp8 ? d_ws_int.ptr : nullptr,
-                      c.inter, c.hidden, d_out.ptr, stream, c.tile));
+                      c.inter, c.hidden, d_out.ptr, stream));
   }
   EPMOE_CUDA_OK(cudaStreamSynchronize(stream));
   EPMOE_CUDA_OK(cudaGetLastError());
@@ -343,21 +342,19 @@ INSTANTIATE_TEST_SUITE_P(
              "_H" + std::to_string(std::get<2>(info.param)) + "_I" + std::to_string(std::get<3>(info.param));
     });
 
-// The FP8 L2 kernel on 128-column tiles (two scratch accumulators, 6 stages) and on 256-column
-// ones, explicitly: N = 128 (one tile), 384 (three), 7168 (56); K = 128 (one K block), 640 (a
-// chunk of four plus one), 768 (four plus two), 2048 (four chunks). Exact operands too.
-TEST(GemmL2Tiles, Fp8BothTileWidths) {
+// The FP8 L2 kernel at N = 128 (half a tile), 384 (one and a half), 7168 (28); K = 128 (one K
+// block), 640 (a chunk of four plus one), 768 (four plus two), 2048 (four chunks). Exact operands
+// too. (These shapes were the 256-column half of the removed 128-column tile's test.)
+TEST(GemmL2Shapes, Fp8EdgeShapes) {
   EPMOE_REQUIRE_GPUS(1);
   const struct { int hidden, inter; } shapes[] = {{128, 128}, {384, 640}, {384, 768}, {7168, 2048}};
-  for (gemm::L2Tile tile : {gemm::L2Tile::kN128, gemm::L2Tile::kN256})
-    for (const auto& sh : shapes)
-      for (bool exact : {false, true}) {
-        Case c{DType::kFP8, false, edge_counts(DType::kFP8), sh.hidden, sh.inter};
-        if (sh.hidden == 7168) c.counts = {0, 1, 129, 256};
-        c.exact = exact;
-        c.tile = tile;
-        run_case(c, fresh_seed());
-      }
+  for (const auto& sh : shapes)
+    for (bool exact : {false, true}) {
+      Case c{DType::kFP8, false, edge_counts(DType::kFP8), sh.hidden, sh.inter};
+      if (sh.hidden == 7168) c.counts = {0, 1, 129, 256};
+      c.exact = exact;
+      run_case(c, fresh_seed());
+    }
 }
 
 TEST(GemmL1Epilogue, Fp8ExactClampPow2) {
@@ -401,10 +398,6 @@ TEST(GemmManyTilesPerBlock, DeferredAndPartialTilesMix) {
   const std::vector<int> counts = {24 * 128, 3 * 128 + 3, 0, 130, 5 * 128 + 127, 1};
   for (DType d : {DType::kFP8, DType::kBF16})
     for (bool l1 : {false, true}) run_case(Case{d, l1, counts, 1024, 640}, fresh_seed());
-  // 128-column FP8 L2 tiles: twice the tiles per block, the kept stage moving around a 6-stage ring.
-  Case c{DType::kFP8, false, counts, 1024, 640};
-  c.tile = gemm::L2Tile::kN128;
-  run_case(c, fresh_seed());
 }
 
 // The layer's use of a plan: built once, launched on several calls whose expert counts change on
@@ -471,17 +464,6 @@ TEST(GemmValidation, RejectsBadShapes) {
   EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_FALSE(gemm::validate_shape(DType::kFP8, 7168, 100).ok());
   EXPECT_TRUE(gemm::validate_shape(DType::kFP8, 7168, 2048).ok());
-  // A bad EPMOE_L2_TILE_N is an error before any CUDA call (valid arguments otherwise).
-  args.scale_stride = 128;
-  ::setenv("EPMOE_L2_TILE_N", "64", 1);
-  st = gemm::l2(DType::kFP8, args, p, fp, p, fp, 128, 256, const_cast<void*>(p), nullptr);
-  ::unsetenv("EPMOE_L2_TILE_N");
-  EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
-  EXPECT_NE(st.to_string().find("EPMOE_L2_TILE_N"), std::string::npos) << st.to_string();
-  // 128-column tiles asked for explicitly with BF16: an error, not a silent 256.
-  st = gemm::l2(DType::kBF16, args, p, nullptr, p, nullptr, 128, 256, const_cast<void*>(p), nullptr,
-                gemm::L2Tile::kN128);
-  EXPECT_EQ(st.code(), epmoe::StatusCode::kInvalidArgument) << st.to_string();
 }
 
 }  // namespace

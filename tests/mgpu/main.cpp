@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "mgpu/mgpu_util.h"
+#include "tuning_env.h"
 
 namespace epmoe::mgpu {
 
@@ -29,6 +30,8 @@ Status make_comm(const RankContext& ctx, std::unique_ptr<Communicator>* out) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  // The EPMOE_* tuning switches (the replay commands name them); the forked ranks inherit them.
+  epmoe::testing_env::apply_tuning_env();
   // Why a forked probe: CUDA is not fork-safe, so this process must never initialise it.
   epmoe::mgpu::gpu_count() = epmoe::probe_gpu_count();
   std::printf("[epmoe] %d GPU(s) visible%s\n", epmoe::mgpu::gpu_count(),

@@ -120,18 +120,6 @@ struct Sm90EpilogueDeferredBf16 {
     });
   }
 
-  // The 128-column L2 tile (sm90_mainloop_fp8_n128.cuh): 64 x 128 fp32 per warpgroup -> two
-  // slabs (wg * 2 + quarter), the whole 32 KB tile in the kept stage.
-  template <class Layout>
-  __device__ static bool stage_n128(const float (&acc)[64], const scheduler::GemmTile& t, int wg, bool write,
-                                    uint32_t smem_s, uint32_t kept, uint32_t tile_count, uint32_t both_math_barrier) {
-    return stage_tile<Layout>(t, wg, write, smem_s, kept, tile_count, both_math_barrier, [&] {
-#pragma unroll
-      for (int quarter = 0; quarter < 2; ++quarter)
-        stmatrix_quarter(acc, quarter, smem_s + Layout::out_slab(uint32_t(wg * 2 + quarter), kept));
-    });
-  }
-
   // The BF16 L1 tile: the SwiGLU activations of the warpgroup's 64 rows x 128 channels (computed by
   // the caller, Sm90EpilogueSwiGLU::values) -> two slabs (wg * 2 + quarter), 32 KB per tile in the
   // kept stage's A tile and half its B tile. Why the kept stage: a BF16 L1 tile is twice the FP8
@@ -172,8 +160,7 @@ struct Sm90EpilogueDeferredBf16 {
   // Returns false on a bounded-wait timeout; `phase` and `tile_count` then name it.
   // kSlabsPerWg: 4 for L2 tiles (256 output columns), 2 for BF16 L1 tiles (128 channels).
   // kL2: see store_kept_tile.
-  // kPair: the kept stage is released to both CTAs of the pair (see Sm90TmaProducer's kPair).
-  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg == 4, bool kPair = false>
+  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg == 4>
   __device__ static bool drain(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t empty_arrivals,
                                uint32_t& phase, uint32_t& tile_count) {
     const uint32_t smem_s = dyn_smem_base_s();
@@ -185,7 +172,7 @@ struct Sm90EpilogueDeferredBf16 {
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       const uint32_t kept = info.w;
       if (rows_valid < 0) break;
-      store_kept_tile<Layout, kStages, kSlabsPerWg, kL2, kPair>(p, map_d, smem_s, row0, n_block, kept, empty_arrivals);
+      store_kept_tile<Layout, kStages, kSlabsPerWg, kL2>(p, map_d, smem_s, row0, n_block, kept, empty_arrivals);
     }
     // Why: the stores must have landed before the kernel ends; the proxy fence would matter to a
     // reader in the same kernel (none today: the fused kernel keeps its inline store).
@@ -285,8 +272,8 @@ struct Sm90EpilogueDeferredBf16 {
   // One full tile kept in a ring stage: 2 x kSlabsPerWg TMA stores of 64 x 64 slabs (L2: eight,
   // from the kept stage and the staging tiles; BF16 L1: four, from the kept stage, whose p.n counts
   // weight rows, twice its output channels); hands them back once the TMA unit has read them.
-  // kL2: the output has p.n columns (L2 tiles of 256 or 128 columns); otherwise p.n / 2 (BF16 L1).
-  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg == 4, bool kPair = false>
+  // kL2: the output has p.n columns (L2 tiles); otherwise p.n / 2 (BF16 L1).
+  template <class Layout, int kStages, int kSlabsPerWg = 4, bool kL2 = kSlabsPerWg == 4>
   __device__ static void store_kept_tile(const GroupedGemmParams& p, const CUtensorMap* map_d, uint32_t smem_s, int row0,
                                        int n_block, uint32_t kept, uint32_t empty_arrivals) {
     static_assert(kSlabsPerWg == 4 || kSlabsPerWg == 2, "256 or 128 output columns per tile");
@@ -301,12 +288,7 @@ struct Sm90EpilogueDeferredBf16 {
     ptx::bulk_commit_group();
     ptx::bulk_wait_group_read_0();
     const uint32_t empty = smem_s + Layout::kBarOffset + uint32_t(kStages) * 8u + kept * 8u;
-    if constexpr (kPair) {
-      ptx::mbarrier_arrive_count_remote(empty, empty_arrivals);
-      ptx::mbarrier_arrive_count_remote(ptx::mapa_shared(empty, (blockIdx.x % 2) ^ 1u), empty_arrivals);
-    } else {
-      ptx::mbarrier_arrive_count_release_cta_s(empty, empty_arrivals);
-    }
+    ptx::mbarrier_arrive_count_release_cta_s(empty, empty_arrivals);
     ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
   }
 

@@ -27,11 +27,9 @@ namespace epmoe::gemm {
 struct Sm90EpilogueStoreBf16 {
   // stage_s: this warpgroup's staging tile (shared-window address, 16-byte aligned, 8 KB);
   // barrier_id: this warpgroup's named barrier (128 threads).
-  // kCols: the warpgroup's columns, 256 (two n128 halves, acc[128]) or 128 (one, acc[64]).
-  template <int kCols = kBlockN>
-  __device__ static void run(const float (&acc)[kCols / 2], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+  // acc: the warpgroup's 64 x 256 block as two n128 halves.
+  __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                              int wg, uint32_t stage_s, uint32_t barrier_id) {
-    static_assert(kCols == 256 || kCols == 128, "one or two n128 halves");
     const int tid = int(epilogue_tid() % 128u);
     const int warp = tid / 32;
     const int lane = tid % 32;
@@ -40,9 +38,9 @@ struct Sm90EpilogueStoreBf16 {
     uint16_t* out = static_cast<uint16_t*>(p.out);
     const int64_t row_base = int64_t(t.row0) + wg * kWarpgroupM;
 #pragma unroll
-    for (int quarter = 0; quarter < kCols / 64; ++quarter) {
+    for (int quarter = 0; quarter < kBlockN / 64; ++quarter) {
       const int h = quarter / 2;  // N half of the accumulator
-      const int col_base = t.n_block * kCols + quarter * 64;
+      const int col_base = t.n_block * kBlockN + quarter * 64;
       if (col_base >= p.n) continue;  // N is a multiple of 128: a half is all in or all out
       // Fragment -> staging: row 16 warp + lane/4 (+ 8), columns 8 i + 2 q (+ 1) of the quarter.
 #pragma unroll

@@ -22,11 +22,9 @@ __device__ __forceinline__ uint32_t dyn_smem_base_s() {
 // A claim slot's value after a GEMM's last tile (the end mark, in the static and the claimed order).
 inline constexpr uint32_t kNoMoreTiles = ~0u;
 
-// kTileN_: the weight rows (output columns) of a tile: kBlockN, or 128 for the FP8 L2 kernel with
-// two scratch accumulators (sm90_mainloop_fp8_n128.cuh).
-template <bool kFp8, int kStages, int kTileN_ = kBlockN>
+template <bool kFp8, int kStages>
 struct Sm90SmemLayout {
-  static constexpr int kTileN = kTileN_;
+  static constexpr int kTileN = kBlockN;  // the weight rows (output columns) of a tile
   static constexpr uint32_t kRowBytes = 128;  // one swizzle span of K per row
   static constexpr uint32_t kTileA = kBlockM * kRowBytes;
   static constexpr uint32_t kTileB = uint32_t(kTileN) * kRowBytes;
@@ -61,8 +59,7 @@ struct Sm90SmemLayout {
   // (slab j = math warpgroup j / 4, 64-column quarter j % 4; rows and chunks as in the staging
   // tiles above): slabs 0-1 in the A tile and 2-5 in the B tile of `stage` (the stage of the
   // tile's last K block, which the math warpgroups keep instead of releasing it), 6-7 in the two
-  // staging tiles. A 128-column tile (32 KB, slab j = warpgroup j / 2, quarter j % 2) fits the
-  // kept stage: slabs 0-1 in its A tile, 2-3 in its B tile.
+  // staging tiles.
   static constexpr uint32_t kSlabsB = kTileB / kEpiTileBytes;
   static constexpr uint32_t out_slab(uint32_t j, uint32_t stage) {
     return j < 2 ? a_offset(stage) + j * kEpiTileBytes
@@ -79,7 +76,6 @@ struct Sm90SmemLayout {
   static_assert(kEpiOffset % 1024 == 0, "TMA boxes with a 128-byte swizzle need 1024-byte aligned smem");
   static_assert(kTileA == 2 * kEpiTileBytes && kTileB == uint32_t(kTileN / 64) * kEpiTileBytes,
                 "a stage's A tile holds two slabs and its B tile one per 64 columns");
-  static_assert(kTileN == kBlockN || kTileN == 128, "256- or 128-column tiles");
   static_assert(kScaleA % 16 == 0, "scale copies need 16-byte aligned destinations");
   static_assert(kAllocBytes <= 227 * 1024, "the stage ring does not fit in 227 KB of smem: fewer stages");
 };

@@ -17,19 +17,7 @@
 
 namespace epmoe::gemm {
 
-// kPair: the CTA-pair form (clusters of two along M, scheduler::PairTileScheduler; the 128-column
-// FP8 L2 kernel, standalone only): each CTA loads its own A tile and scales, and half of the shared
-// weight tile into both CTAs (TMA multicast); a stage is refilled only once both CTAs' math warps
-// released it (each arrives on both CTAs' empty barriers), and before it exits the producer waits
-// until every stage it filled was released, so that no arrival from the other CTA is still on
-// its way to this CTA's barriers. Why pairs: on 128-column tiles each CTA would otherwise read
-// 32 KB per 4.2 MFLOP from L2 (64 KB per 8.4 MFLOP against 48 for the 256-column tile).
-// In the pair form two threads share the loads (`pair_role`): kPairA the A tile and its scales,
-// kPairB the weight half; each waits for the stage and arrives on its full barrier (two arrivals
-// per phase) with its own bytes. Why: one thread issuing all three loads per K block was busy all
-// the time (ncu: its ~90 dependent instructions per K block, in ELECT loops and address math) and
-// fed a 128-column K block no faster than ~1000 cycles.
-template <bool kFp8, int kStages, int kBlockK, class Layout, class Scheduler, bool kPair = false>
+template <bool kFp8, int kStages, int kBlockK, class Layout, class Scheduler>
 struct Sm90TmaProducer {
   using Pipe = pipeline::TmaPipeline<kStages>;
   const CUtensorMap* tmap_a;
@@ -46,9 +34,6 @@ struct Sm90TmaProducer {
   int claimed = 0;
   int claim_kb = -1;
   uint32_t publish = kNoMoreTiles;
-  // kPair: which loads this thread issues (see the struct).
-  enum PairRole : int { kPairA = 0, kPairB = 1 };
-  int pair_role = kPairA;
 
   // Loads every K block of every tile of this block, in the order the math warpgroups consume
   // them; each load waits (bounded) until the consumers released its stage.
@@ -110,21 +95,7 @@ struct Sm90TmaProducer {
           wait_or_report(w, need);
         }
       }
-      for (; kb < num_k_blocks; ++kb) {
-        if constexpr (kPair)
-          issue_pair(tile, kb);
-        else
-          issue(tile, kb);
-      }
-    }
-    if constexpr (kPair) {
-      // The weight thread's tail: it multicasts, and the other CTA's last arrivals land here.
-      if (pair_role == kPairB) {
-        for (int s = 0; s < kStages; ++s) {
-          acquire_stage();
-          ++st;
-        }
-      }
+      for (; kb < num_k_blocks; ++kb) issue(tile, kb);
     }
     if (publish_tiles) {
       // The end mark: a stage with no bytes whose slot says so; the math warpgroups release it.
@@ -185,33 +156,6 @@ struct Sm90TmaProducer {
     uint64_t* full = pipe.producer_barrier(st);
     ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTileB);
     load_b(tile, kb, full, st.index);
-    ++st;
-  }
-  // kPair: K block kb of the pair's tile into the next stage of both CTAs (see the struct).
-  // acquire_stage's wait covers both CTAs: half of the empty barrier's arrivals come from the other
-  // CTA's math warps (ptx::mbarrier_arrive_count_remote says why CTA scope).
-  __device__ void issue_pair(const scheduler::GemmTile& tile, int kb) {
-    acquire_stage();
-    uint64_t* full = pipe.producer_barrier(st);
-    if (pair_role == kPairA) {
-      // A CTA with no rows (the second of a pair block of <= 128 rows) loads no A; its weight half
-      // still goes to both CTAs.
-      const bool rows = tile.rows_valid > 0;
-      ptx::mbarrier_arrive_expect_tx_release_cta(full, rows ? Layout::kTileA + Layout::kScaleA : 0u);
-      if (rows) {
-        ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
-        if constexpr (kFp8)
-          ptx::bulk_copy_g2s(smem + Layout::sa_offset(st.index),
-                             p->a_scale + int64_t(kb) * p->scale_stride + tile.row0, Layout::kScaleA, full);
-      }
-    } else {
-      // Both halves land on this barrier: this thread's and the other CTA's.
-      ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTileB);
-      const int rank = int(blockIdx.x % 2);
-      const int32_t row = tile.expert * p->n + tile.n_block * Layout::kTileN + rank * (Layout::kTileN / 2);
-      ptx::tma_load_2d_multicast(smem + Layout::b_offset(st.index) + rank * (Layout::kTileB / 2), tmap_b, full,
-                                 kb * kBlockK, row, uint16_t(0x3));
-    }
     ++st;
   }
   __device__ uint64_t* take_stage() {

@@ -27,25 +27,6 @@ cudaError_t configure(int device) {
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sm90_grouped_gemm_kernel<Cfg>, kNumThreads, kSmem);
   if (e != cudaSuccess) return e;
   if (blocks < 1) return cudaErrorLaunchOutOfResources;
-  if constexpr (Cfg::kPair) {
-    // Clusters of two: at least one pair must fit (a grid of more pairs than fit at once is still
-    // correct: no pair waits for another).
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(2);
-    cfg.blockDim = dim3(kNumThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    e = cudaOccupancyMaxActiveClusters(&clusters, sm90_grouped_gemm_kernel<Cfg>, &cfg);
-    if (e != cudaSuccess) return e;
-    if (clusters < 1) return cudaErrorLaunchOutOfResources;
-  }
   if (done.size() <= size_t(device)) done.resize(size_t(device) + 1, false);
   done[device] = true;
   return cudaSuccess;
@@ -61,17 +42,6 @@ cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap
   cfg.stream = stream;
   cfg.attrs = nullptr;
   cfg.numAttrs = 0;
-  cudaLaunchAttribute attr[1];
-  if constexpr (Cfg::kPair) {
-    // CTA pairs: clusters of (2, 1, 1), so the grid is even (one SM left idle on an odd count).
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(uint32_t(grid) & ~1u);
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
   return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_kernel<Cfg>, a, b, d, p);
 }
 
@@ -81,26 +51,14 @@ using L1Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kSwiGLUDeferred, 4>;
 template <bool kFp8>
 using L2Config = Sm90GroupedGemmConfig<kFp8, Sm90Epilogue::kStoreBf16Deferred, 4>;
 
-// Why 6 stages: 6 x 32.5 KB, as many as fit next to the staging tiles (a 7th does not). Run as CTA
-// pairs (clusters of two, grid rounded down to even).
-using L2N128Config = Sm90GroupedGemmConfig<true, Sm90Epilogue::kStoreBf16Deferred, 6, 128>;
-
 template <bool kFp8>
 cudaError_t configure_stage(GemmStage stage, int device) {
-  if (stage == GemmStage::kL2N128) {
-    if constexpr (kFp8) return configure<L2N128Config>(device);
-    return cudaErrorInvalidValue;
-  }
   return stage == GemmStage::kL1 ? configure<L1Config<kFp8>>(device) : configure<L2Config<kFp8>>(device);
 }
 
 template <bool kFp8>
 cudaError_t launch_stage(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_d,
                          const GroupedGemmParams& p, int grid, cudaStream_t stream) {
-  if (stage == GemmStage::kL2N128) {
-    if constexpr (kFp8) return launch<L2N128Config>(map_a, map_b, map_d, p, grid, stream);
-    return cudaErrorInvalidValue;
-  }
   return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_b, map_d, p, grid, stream)
                                  : launch<L2Config<kFp8>>(map_a, map_b, map_d, p, grid, stream);
 }

@@ -11,9 +11,7 @@
 
 namespace epmoe::gemm::detail {
 
-// kL2N128: the FP8 L2 kernel on 128-column tiles (opt-in, docs/DESIGN.md; FP8 only, its B map has
-// 128-row boxes).
-enum class GemmStage { kL1, kL2, kL2N128 };
+enum class GemmStage { kL1, kL2 };
 
 // Sets the kernel's dynamic shared-memory attribute on `device` (which must be current) and
 // checks that one block fits on an SM. Once per kernel and device (later calls return the first

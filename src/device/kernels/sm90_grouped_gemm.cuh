@@ -28,7 +28,6 @@
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_mainloop_bf16.cuh"
 #include "device/gemm/sm90_mainloop_fp8.cuh"
-#include "device/gemm/sm90_mainloop_fp8_n128.cuh"
 #include "device/gemm/sm90_smem_layout.cuh"
 #include "device/gemm/sm90_tma_producer.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
@@ -64,18 +63,10 @@ inline constexpr uint32_t kMathBarrierBase = 1;
 // warpgroups (256 threads).
 inline constexpr uint32_t kBothMathBarrier = 4;
 
-// kTileN_: output columns per tile, kBlockN or 128. 128 is the FP8 L2 kernel with two scratch
-// accumulators (sm90_mainloop_fp8_n128.cuh, opt-in, docs/DESIGN.md), standalone only, run as CTA
-// pairs (clusters of 2 along M sharing each weight tile through TMA multicast: kPair).
-template <bool kFp8_, Sm90Epilogue kEpi, int kStages_, int kTileN_ = kBlockN>
+template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
 struct Sm90GroupedGemmConfig {
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kStages = kStages_;
-  static constexpr int kTileN = kTileN_;
-  static constexpr bool kN128 = kTileN_ == 128;
-  static constexpr bool kPair = kN128;
-  static_assert(!kN128 || (kFp8_ && kEpi == Sm90Epilogue::kStoreBf16Deferred),
-                "128-column tiles exist for the standalone FP8 L2 kernel only");
   static constexpr bool kSwiGLU = kEpi == Sm90Epilogue::kSwiGLU || kEpi == Sm90Epilogue::kSwiGLUDeferred;
   // Full tiles through a kept ring stage (L2; BF16 L1, whose 32 KB tile does not fit the staging
   // tiles) or through the staging tiles (FP8 L1: 16 KB of codes plus row scales).
@@ -84,17 +75,14 @@ struct Sm90GroupedGemmConfig {
   static constexpr bool kDeferredL1 = kEpi == Sm90Epilogue::kSwiGLUDeferred && kFp8_;
   static constexpr bool kHasStorer = kDeferredStore || kDeferredL1;
   // Slabs of 64 x 64 bf16 per math warpgroup in a kept-stage tile (Sm90EpilogueDeferredBf16::drain).
-  static constexpr int kSlabsPerWg = kSwiGLU || kN128 ? 2 : 4;
+  static constexpr int kSlabsPerWg = kSwiGLU ? 2 : 4;
   static constexpr bool kL2Out = !kSwiGLU;  // output columns = weight rows (see store_kept_tile)
-  using Layout = Sm90SmemLayout<kFp8_, kStages_, kTileN_>;
-  using Mainloop = std::conditional_t<
-      kN128, Sm90Fp8MainloopN128<kStages_, Layout, kPair>,
-      std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>>;
+  using Layout = Sm90SmemLayout<kFp8_, kStages_>;
+  using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
-  using Scheduler = std::conditional_t<kPair, scheduler::PairTileScheduler<kRasterGroupN>,
-                                       scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>>;
-  using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler, kPair>;
-  static constexpr uint32_t kEmptyArrivals = kMathWarpgroups * 4 * (kPair ? 2 : 1);  // math warps releasing a stage
+  using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>;
+  using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler>;
+  static constexpr uint32_t kEmptyArrivals = kMathWarpgroups * 4;  // math warps releasing a stage
   static_assert(kMathWarpgroups * kWarpgroupM == kBlockM, "the math warpgroups split the tile's M");
   static_assert((kMathWarpgroups + 1) * 128 == kNumThreads, "one producer warpgroup plus the math warpgroups");
 };
@@ -113,13 +101,11 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     typename Cfg::Mainloop::State& st,
                                                     const uint32_t* ready = nullptr, uint32_t target = 0,
                                                     uint32_t per_row = 0, bool b_first = false,
-                                                    bool publish_tiles = false, uint32_t* claim = nullptr,
-                                                    int pair_role = 0) {
-  const int n_tiles = (p.n + Cfg::kTileN - 1) / Cfg::kTileN;
+                                                    bool publish_tiles = false, uint32_t* claim = nullptr) {
+  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
                                   typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
   producer.st = st;
-  producer.pair_role = pair_role;
   producer.run(ready, target, per_row, b_first, publish_tiles, claim);
   st = producer.st;
 }
@@ -288,64 +274,6 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   return done_result;
 }
 
-// The math role of the 128-column FP8 L2 kernel (Cfg::kN128; standalone only): as
-// sm90_math_tiles without the fused kernel's options, on 64 x 128 per warpgroup.
-template <class Cfg>
-__device__ __forceinline__ MathTilesResult sm90_math_tiles_n128(const GroupedGemmParams& p,
-                                                                const typename Cfg::Mainloop::Pipe& pipe,
-                                                                typename Cfg::Mainloop::State& st, int wg) {
-  using Mainloop = typename Cfg::Mainloop;
-  static_assert(Cfg::kN128 && Cfg::kDeferredStore, "the 128-column L2 kernel");
-  const int n_tiles = (p.n + Cfg::kTileN - 1) / Cfg::kTileN;
-  const int num_k_blocks = p.k / Cfg::kBlockK;
-  typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
-  scheduler::GemmTile tile;
-  float acc[64];
-  uint32_t tile_count = 0;  // deferred tiles staged so far (see sm90_math_tiles)
-  while (sched.next(tile)) {
-    // Why the empty asm: see sm90_math_tiles.
-    int n_weight_rows = p.n;
-    asm volatile("" : "+r"(n_weight_rows));
-    const int n_blocks128 = n_weight_rows / kScaleBlock;
-    const float* b_scale = p.b_scale + (tile.expert * n_blocks128 + tile.n_block) * num_k_blocks;
-    const bool idle = wg * kWarpgroupM >= tile.rows_valid;
-    const bool deferred = tile.rows_valid >= kBlockM;
-    const bool ok = deferred ? Mainloop::template run<true>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                             : Mainloop::template run<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
-    if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
-    if (deferred) {
-      const uint32_t kept = (st.index + uint32_t(Cfg::kStages) - 1u) % uint32_t(Cfg::kStages);
-      if (!Sm90EpilogueDeferredBf16::stage_n128<typename Cfg::Layout>(acc, tile, wg, !idle, dyn_smem_base_s(), kept,
-                                                                       tile_count, kBothMathBarrier))
-        return MathTilesResult::drain_timeout(kept, tile_count, sched.next_linear);
-      ++tile_count;
-      continue;
-    }
-    // A partial tile: the staging tiles are free once the last deferred tile drained.
-    if (!Sm90EpilogueDeferredBf16::wait_drained<typename Cfg::Layout>(dyn_smem_base_s(), tile_count))
-      return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
-    if (!idle)
-      Sm90EpilogueStoreBf16::run<128>(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
-                                      kMathBarrierBase + uint32_t(wg));
-  }
-  if (!Sm90EpilogueDeferredBf16::finish<typename Cfg::Layout>(wg, dyn_smem_base_s(), tile_count))
-    return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
-  MathTilesResult done_result;
-  done_result.tiles_staged = tile_count;
-  return done_result;
-}
-
-template <class Cfg>
-__device__ __forceinline__ std::enable_if_t<Cfg::kN128, MathTilesResult> sm90_math_role(
-    const GroupedGemmParams& p, const typename Cfg::Mainloop::Pipe& pipe, typename Cfg::Mainloop::State& st, int wg) {
-  return sm90_math_tiles_n128<Cfg>(p, pipe, st, wg);
-}
-template <class Cfg>
-__device__ __forceinline__ std::enable_if_t<!Cfg::kN128, MathTilesResult> sm90_math_role(
-    const GroupedGemmParams& p, const typename Cfg::Mainloop::Pipe& pipe, typename Cfg::Mainloop::State& st, int wg) {
-  return sm90_math_tiles<Cfg, true, Cfg::kFp8>(p, pipe, st, wg);
-}
-
 // The deferred epilogue's storer role: lane 0 of warp 1 of the producer warpgroup, at the producer
 // budget.
 template <class Cfg>
@@ -355,7 +283,7 @@ __device__ __forceinline__ void sm90_storer_tiles(const GroupedGemmParams& p, co
   if constexpr (Cfg::kDeferredL1)
     ok = Sm90EpilogueDeferredBf16::drain_l1<typename Cfg::Layout>(p, map_d, phase, tile_count);
   else
-    ok = Sm90EpilogueDeferredBf16::drain<typename Cfg::Layout, Cfg::kStages, Cfg::kSlabsPerWg, Cfg::kL2Out, Cfg::kPair>(
+    ok = Sm90EpilogueDeferredBf16::drain<typename Cfg::Layout, Cfg::kStages, Cfg::kSlabsPerWg, Cfg::kL2Out>(
         p, map_d, kMathWarpgroups * 4, phase, tile_count);
   if (!ok) pipeline::report_timeout(pipeline::WaitSite::kStorerStaged, 0, phase, int(tile_count));
 }
@@ -378,19 +306,13 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
   if (threadIdx.x / 128 == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) sm90_producer_tiles<Cfg>(tmap_a, tmap_b, p, pipe, smem, st);
-    // CTA pairs: thread 64 (warp 2) loads the weight halves (Sm90TmaProducer's pair_role).
-    if constexpr (Cfg::kPair) {
-      if (threadIdx.x == 64)
-        sm90_producer_tiles<Cfg>(tmap_a, tmap_b, p, pipe, smem, st, nullptr, 0, 0, false, false, nullptr,
-                                 Cfg::Producer::kPairB);
-    }
     if constexpr (Cfg::kHasStorer) {
       if (threadIdx.x == 32) sm90_storer_tiles<Cfg>(p, tmap_d);
     }
     return;
   }
   ptx::setmaxnreg_inc<kMathRegs>();
-  const MathTilesResult r = sm90_math_role<Cfg>(p, pipe, st, threadIdx.x / 128 - 1);
+  const MathTilesResult r = sm90_math_tiles<Cfg, true, Cfg::kFp8>(p, pipe, st, threadIdx.x / 128 - 1);
   if (!r.ok) {
     ptx::setmaxnreg_dec<kEntryRegs>();
     pipeline::report_timeout(r.site, r.stage, r.phase, r.tile);
@@ -414,14 +336,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kDrainedBarOffset),
                          Sm90EpilogueDeferredBf16::kStorerThreads);
     }
-    // One arrive per math warp (its fence covers the two above); CTA pairs: two producer threads.
-    pipe.init(Cfg::kEmptyArrivals, Cfg::kPair ? 2u : 1u);
+    // One arrive per math warp (its fence covers the two above).
+    pipe.init(Cfg::kEmptyArrivals);
   }
-  // CTA pairs: the other CTA's multicasts and arrivals may reach these barriers once it passed here.
-  if constexpr (Cfg::kPair)
-    ptx::cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();
   sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, pipe, smem);
 }
 

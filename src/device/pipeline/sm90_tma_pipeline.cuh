@@ -58,10 +58,9 @@ struct TmaPipeline {
   }
 
   // One thread, before the CTA-wide barrier that precedes any use.
-  // producer_arrivals: threads that arrive (with expect_tx) per phase of a full barrier.
-  __device__ void init(uint32_t consumer_arrivals, uint32_t producer_arrivals = 1) const {
+  __device__ void init(uint32_t consumer_arrivals) const {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&full[s], producer_arrivals);  // the producers' arrive.expect_tx
+      ptx::mbarrier_init(&full[s], 1);  // the producer's arrive.expect_tx
       ptx::mbarrier_init(&empty[s], consumer_arrivals);
     }
     ptx::fence_mbarrier_init_release_cluster();

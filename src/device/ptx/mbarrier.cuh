@@ -1,5 +1,4 @@
-// mbarrier: one wrapper per PTX instruction. Scope is the CTA, except the cluster helpers at the end
-// (the FP8 L2 kernel on 128-column tiles runs in clusters of two CTAs).
+// mbarrier: one wrapper per PTX instruction. Scope is the CTA.
 #pragma once
 
 #include <cstdint>
@@ -111,27 +110,6 @@ __device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_s(u
 
 __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta(uint64_t* bar, uint32_t parity) {
   return mbarrier_try_wait_parity_acquire_cta_s(smem_u32(bar), parity);
-}
-
-// ---- Clusters (the 128-column FP8 L2 kernel's CTA pairs) ------------------------------------------
-// The shared::cluster address of the same smem offset in CTA `rank` of this cluster.
-__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-// `count` arrivals on a barrier anywhere in the cluster (bar: a shared::cluster address, e.g. from
-// mapa_shared; this CTA's own shared addresses are valid too). Release at CTA scope: what the
-// arrival stands for is the end of this CTA's reads of a ring stage (wgmma, completed before), and
-// the reader of the barrier is a producer that then overwrites that stage with TMA. Why not
-// .release.cluster: ptxas makes that a MEMBAR.ALL.GPU before each arrival, twice per K block on
-// the math warps' path.
-__device__ __forceinline__ void mbarrier_arrive_count_remote(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cluster.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-// Every thread of both CTAs: a cluster-wide barrier (release / acquire).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 }  // namespace epmoe::ptx

@@ -46,18 +46,6 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
-// tma_load_2d into the same smem offset of every CTA in `cta_mask` (this cluster's ranks), each
-// completing its bytes on the barrier at `bar`'s offset in that CTA.
-__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int32_t c0,
-                                                      int32_t c1, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;"
-      ::"r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)),
-        "r"(c0), "r"(c1), "h"(cta_mask)
-      : "memory");
-}
-
 // Asks for the box at (c0, c1) to be brought into L2, with no smem destination and no completion
 // to wait for (a hint: it may be dropped).
 __device__ __forceinline__ void tma_prefetch_2d_l2(const CUtensorMap* map, int32_t c0, int32_t c1) {

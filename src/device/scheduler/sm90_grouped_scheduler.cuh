@@ -67,13 +67,6 @@ struct GroupedTileScheduler {
     return walk(t);
   }
 
-  // Static order over a subset of the grid: this caller takes linear tiles first, first + stride, ...
-  // (the CTA pairs of PairTileScheduler).
-  __device__ __forceinline__ bool next_strided(GemmTile& t, int first, int stride) {
-    next_linear = next_linear < 0 ? first : next_linear + stride;
-    return walk(t);
-  }
-
   // Linear tile `linear`, which must not be below any index this copy was asked before (the fused
   // kernel's tiles, claimed from a grid-wide counter; docs/MEGAKERNEL.md). False past the last tile.
   __device__ __forceinline__ bool seek(int linear, GemmTile& t) {
@@ -104,26 +97,6 @@ struct GroupedTileScheduler {
     locate(next_linear - expert_first, expert_m_blocks, n_tiles, t.m_block, t.n_block);
     t.row0 = ptx::ld_ca_s32(offset + expert) + t.m_block * kBlockM;
     t.rows_valid = min(kBlockM, expert_rows - t.m_block * kBlockM);
-    return true;
-  }
-};
-
-// The tiles of a CTA pair (a cluster of two along M; the 128-column FP8 L2 kernel): the pair takes
-// 256-row blocks in the static order over clusters, and CTA rank r of the pair computes rows
-// [128 r, 128 r + 128) of it. Both CTAs share the weight tile (each loads half of it into both,
-// TMA multicast). A pair block with at most 128 rows gives rank 1 an empty tile (rows_valid 0),
-// which still carries its half of the weights.
-template <int kGroupN>
-struct PairTileScheduler : GroupedTileScheduler<256, kGroupN> {
-  using Base = GroupedTileScheduler<256, kGroupN>;
-  static constexpr int kTileM = 128;
-  using Base::Base;
-  __device__ __forceinline__ bool next(GemmTile& t) {
-    if (!Base::next_strided(t, int(blockIdx.x / 2), int(gridDim.x / 2))) return false;
-    const int rank = int(blockIdx.x % 2);  // == %cluster_ctarank for clusters of (2, 1, 1)
-    t.m_block = 2 * t.m_block + rank;
-    t.row0 += rank * kTileM;
-    t.rows_valid = max(0, min(kTileM, t.rows_valid - rank * kTileM));
     return true;
   }
 };

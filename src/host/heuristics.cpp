@@ -1,0 +1,87 @@
+#include "host/heuristics.h"
+
+#include <mutex>
+
+namespace epmoe::heuristics {
+
+namespace {
+
+// The smallest decode calls: an expert holds at most one row on average (num_tokens x topk <=
+// experts_per_rank, with every rank at num_tokens), so the pull is a few units, the weight
+// stream is the critical path and every weight tile is read once. Both paths then load weights
+// with an L2 evict-first policy (gemm::launch), and the megakernel's producers load a tile's
+// weights before its rows are ready (B-first). Measured at R = 1 (docs/DESIGN.md): each
+// gains at 1 token and costs at 8 or 128.
+bool tiny_call(const LayerShape& s, int64_t num_tokens) {
+  return num_tokens * s.topk <= int64_t(s.experts_per_rank);
+}
+
+}  // namespace
+
+Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const TuningOverrides& o) {
+  Tuning t;
+  const bool tiny = tiny_call(s, num_tokens);
+  t.weights_evict_first = tiny;
+  // The megakernel's variant: the throughput variant (TMA stores of full tiles by a storer thread)
+  // once an expert holds 256 rows on average (num_tokens x topk / experts_per_rank, with every rank
+  // at num_tokens), i.e. most tiles are full; below that most tiles are partial, which only the
+  // inline store handles, and the decode variant spills less (docs/MEGAKERNEL.md, Configuration per
+  // call; docs/DESIGN.md).
+  t.fused_deferred_epilogue = o.fused_epilogue != 0 ? o.fused_epilogue == 2
+                                                    : num_tokens * s.topk >= int64_t(256) * s.experts_per_rank;
+  // Why no prefetch: since the GEMM tiles wait for their rows and not for a grid barrier, the
+  // prefetch's 34 MB (8 K blocks) only delayed the pull; at R = 1 no prefetch was fastest at 1, 8
+  // and 128 tokens (docs/DESIGN.md, "The megakernel's schedule"). To be measured again at R >= 2,
+  // where the pull waits on NVLink.
+  t.fused_prefetch_k_blocks = o.fused_prefetch_k_blocks >= 0 ? o.fused_prefetch_k_blocks : 0;
+  t.fused_b_first = o.fused_b_first >= 0 ? o.fused_b_first == 1 : tiny;
+  // Claims, measured at R = 1 (three rounds, docs/DESIGN.md, "The megakernel's schedule"): they
+  // took 90 us off 4096 tokens, 70 off 8192, 35 off 1024 and 17 off 8; in tiny calls they were
+  // 2-10 us slower at 1-2 tokens (means of two calls; also with each block's first tile static)
+  // and level at 4, so they stay off there, where the decode calls of 1-2 tokens are.
+  t.fused_claim_tiles = o.fused_claim_tiles >= 0 ? o.fused_claim_tiles == 1 : !tiny;
+  return t;
+}
+
+// Why fewer blocks for few tokens: every block pays for the grid barrier, the flag waits and a
+// system-scope fence; a small call has too little work to hide that. Any size is correct.
+int choose_comm_blocks(const CommShape& s, int64_t tokens, int warps_per_block, const TuningOverrides& o) {
+  if (s.fixed_blocks) return s.max_blocks;
+  if (o.comm_blocks > 0) return o.comm_blocks < s.max_blocks ? o.comm_blocks : s.max_blocks;
+  // About one warp per (token, rank, 1024-channel slice): the kernels' unit of work.
+  const int64_t slices = (s.hidden + 1023) / 1024;
+  const int64_t want = (tokens * s.num_ranks * slices + warps_per_block - 1) / warps_per_block;
+  return int(want < 16 ? 16 : (want > s.max_blocks ? s.max_blocks : want));
+}
+
+}  // namespace epmoe::heuristics
+
+namespace epmoe::detail {
+
+namespace {
+std::mutex g_mu;
+heuristics::TuningOverrides g_overrides;
+int g_never_arrive_rank = -1;
+}  // namespace
+
+void set_tuning_overrides(const heuristics::TuningOverrides& o) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_overrides = o;
+}
+
+heuristics::TuningOverrides tuning_overrides() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_overrides;
+}
+
+void set_debug_never_arrive_rank(int rank) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_never_arrive_rank = rank;
+}
+
+int debug_never_arrive_rank() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_never_arrive_rank;
+}
+
+}  // namespace epmoe::detail

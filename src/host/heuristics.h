@@ -1,0 +1,78 @@
+// Host heuristics: every host-side tuning choice of the layer and of the comm kernels in one
+// struct (Tuning), filled per call by the functions below from the call's shape. The choices were
+// measured (docs/DESIGN.md, docs/MEGAKERNEL.md, docs/COMM.md say where); nothing here changes what
+// a call computes, only how it is scheduled.
+//
+// Overrides (TuningOverrides) exist for A/B measurements and tests only: the library never reads
+// the environment. The benchmark and the test binaries read their EPMOE_* variables and set the
+// process-wide overrides through set_tuning_overrides before they create a layer or a dispatch
+// handle; both take a copy at create (later changes reach only handles created later).
+#pragma once
+
+#include <cstdint>
+
+namespace epmoe::heuristics {
+
+// What one forward call (and one standalone dispatch or combine launch) runs with.
+struct Tuning {
+  // The GEMMs' weight tiles of single-m-block experts go through L2 with an evict-first policy
+  // (GroupedGemmParams::weights_evict_first), in both paths.
+  bool weights_evict_first = false;
+  // The megakernel's throughput variant (full tiles stored by a storer thread with TMA) instead of
+  // its decode variant (the math warpgroups' inline store).
+  bool fused_deferred_epilogue = false;
+  // K blocks of its first L1 weight tile each megakernel block prefetches into L2 during the pull.
+  int fused_prefetch_k_blocks = 0;
+  // The megakernel's producers load a tile's weights before its rows are ready (B-first).
+  bool fused_b_first = false;
+  // The megakernel's blocks claim their GEMM tiles from a grid-wide counter (dynamic order).
+  bool fused_claim_tiles = false;
+};
+
+// The layer's shape, as far as the choices depend on it.
+struct LayerShape {
+  int topk = 0;
+  int experts_per_rank = 0;
+};
+
+// The comm kernels' shape: the grid's upper bound and the work per token.
+struct CommShape {
+  int num_ranks = 0;
+  int hidden = 0;
+  int max_blocks = 0;         // the SM count, or DispatchConfig::num_blocks when that is smaller
+  bool fixed_blocks = false;  // DispatchConfig::num_blocks > 0: always max_blocks
+};
+
+// Forced choices (A/B measurements, tests). A negative value, or fused_epilogue 0 / comm_blocks 0,
+// leaves the heuristic's choice.
+struct TuningOverrides {
+  int fused_epilogue = 0;            // 1: the decode (inline) variant, 2: the deferred one
+  int fused_prefetch_k_blocks = -1;  // 0..64
+  int fused_b_first = -1;            // 0 or 1
+  int fused_claim_tiles = -1;        // 0 or 1
+  int comm_blocks = 0;               // > 0: caps the dispatch and combine grids
+};
+
+// The per-call choices of a forward call of num_tokens local tokens.
+Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const TuningOverrides& o);
+
+// The grid of a standalone dispatch or combine launch of `tokens` tokens whose blocks have
+// warps_per_block warps.
+int choose_comm_blocks(const CommShape& s, int64_t tokens, int warps_per_block, const TuningOverrides& o);
+
+}  // namespace epmoe::heuristics
+
+namespace epmoe::detail {
+
+// Process-wide overrides (benchmark and tests only; thread-safe). MoELayer::create and
+// DispatchHandle::create copy them.
+void set_tuning_overrides(const heuristics::TuningOverrides& o);
+heuristics::TuningOverrides tuning_overrides();
+
+// Test hook: the DispatchHandle created on this rank launches no dispatch, combine or fused kernel,
+// so that its peers' bounded waits expire (docs/COMM.md, "Debug injection"). -1 (the default): off.
+// Read once by DispatchHandle::create.
+void set_debug_never_arrive_rank(int rank);
+int debug_never_arrive_rank();
+
+}  // namespace epmoe::detail

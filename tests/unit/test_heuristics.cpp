@@ -1,0 +1,64 @@
+// The host heuristics (src/host/heuristics.h): the per-call choices and what the overrides force.
+#include <gtest/gtest.h>
+
+#include "host/heuristics.h"
+
+namespace epmoe::heuristics {
+namespace {
+
+TEST(Heuristics, LayerTuningFollowsTheCallSize) {
+  const LayerShape s{8, 32};  // topk 8, 32 experts per rank
+  const TuningOverrides none;
+  // 4 tokens x 8 = 32 rows <= 32 experts: a tiny call.
+  Tuning t = choose_layer_tuning(s, 4, none);
+  EXPECT_TRUE(t.weights_evict_first);
+  EXPECT_TRUE(t.fused_b_first);
+  EXPECT_FALSE(t.fused_claim_tiles);
+  EXPECT_FALSE(t.fused_deferred_epilogue);
+  EXPECT_EQ(t.fused_prefetch_k_blocks, 0);
+  t = choose_layer_tuning(s, 5, none);
+  EXPECT_FALSE(t.weights_evict_first);
+  EXPECT_FALSE(t.fused_b_first);
+  EXPECT_TRUE(t.fused_claim_tiles);
+  // The deferred epilogue from 256 rows per expert on average: 1024 x 8 = 256 x 32.
+  EXPECT_FALSE(choose_layer_tuning(s, 1023, none).fused_deferred_epilogue);
+  EXPECT_TRUE(choose_layer_tuning(s, 1024, none).fused_deferred_epilogue);
+}
+
+TEST(Heuristics, OverridesForceTheLayerChoices) {
+  const LayerShape s{8, 32};
+  TuningOverrides o;
+  o.fused_epilogue = 1;
+  o.fused_prefetch_k_blocks = 8;
+  o.fused_b_first = 0;
+  o.fused_claim_tiles = 1;
+  Tuning t = choose_layer_tuning(s, 1, o);
+  EXPECT_FALSE(t.fused_deferred_epilogue);
+  EXPECT_EQ(t.fused_prefetch_k_blocks, 8);
+  EXPECT_FALSE(t.fused_b_first);
+  EXPECT_TRUE(t.fused_claim_tiles);
+  EXPECT_TRUE(t.weights_evict_first);  // not an override
+  o.fused_epilogue = 2;
+  EXPECT_TRUE(choose_layer_tuning(s, 1, o).fused_deferred_epilogue);
+}
+
+TEST(Heuristics, CommBlocks) {
+  CommShape s{8, 7168, 132, false};
+  const TuningOverrides none;
+  EXPECT_EQ(choose_comm_blocks(s, 1, 8, none), 16);      // at least 16
+  s.max_blocks = 1000;
+  EXPECT_EQ(choose_comm_blocks(s, 100, 8, none), 700);  // 100 x 8 ranks x 7 slices / 8 warps
+  s.max_blocks = 132;
+  EXPECT_EQ(choose_comm_blocks(s, 4096, 8, none), 132);  // at most max_blocks
+  TuningOverrides o;
+  o.comm_blocks = 40;
+  EXPECT_EQ(choose_comm_blocks(s, 1, 8, o), 40);
+  o.comm_blocks = 500;
+  EXPECT_EQ(choose_comm_blocks(s, 1, 8, o), 132);
+  s.fixed_blocks = true;
+  s.max_blocks = 24;
+  EXPECT_EQ(choose_comm_blocks(s, 4096, 8, o), 24);
+}
+
+}  // namespace
+}  // namespace epmoe::heuristics
