@@ -1,4 +1,4 @@
-// The dispatch quantizer's division (comm::GroupDivisor, src/device/comm/fp8_quant.h) against
+// The dispatch quantizer's division (quant::GroupDivisor, src/device/quant/fp8_quant.cuh) against
 // __fdiv_rn, which SPEC step 1 names: every finite bf16 value x against a sweep of scales s, with
 // |x| <= 448 s as the scale rule guarantees. Where the fast path is taken and |x| >= 2^-100 the
 // fp32 quotients must be equal bit for bit; below 2^-100 the e4m3 codes must be. Then the
@@ -13,12 +13,12 @@
 #include <random>
 #include <vector>
 
-#include "device/comm/fp8_quant.h"
+#include "device/quant/fp8_quant.cuh"
 #include "gpu/gpu_test_util.h"
 
 namespace {
 
-using epmoe::comm::GroupDivisor;
+using epmoe::quant::GroupDivisor;
 
 struct DivideCounts {
   unsigned long long checked;   // (x, s) pairs on the fast path
@@ -49,7 +49,7 @@ __global__ void divide_sweep_kernel(const float* scales, int num_scales, DivideC
     if (fabsf(x) >= 0x1p-100f) {
       ok = __float_as_uint(q) == __float_as_uint(ref);
     } else {
-      ok = epmoe::comm::cvt_rn_satfinite_e4m3x2(q, q) == epmoe::comm::cvt_rn_satfinite_e4m3x2(ref, ref);
+      ok = epmoe::quant::encode_e4m3x2(q, q) == epmoe::quant::encode_e4m3x2(ref, ref);
     }
     if (!ok && atomicAdd(&out->wrong, 1ull) == 0) {
       out->first_x = bits;
@@ -64,8 +64,8 @@ __global__ void divide_sweep_kernel(const float* scales, int num_scales, DivideC
 __global__ void quantize8_kernel(const uint4* v, const float* s, int n, uint2* fast, uint2* ieee) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  fast[i] = epmoe::comm::quantize8_e4m3(v[i], s[i]);
-  ieee[i] = epmoe::comm::quantize8_e4m3_ieee(v[i], s[i]);
+  fast[i] = epmoe::quant::quantize8_e4m3(v[i], s[i]);
+  ieee[i] = epmoe::quant::quantize8_e4m3_ieee(v[i], s[i]);
 }
 
 float host_scale(float amax) {  // SPEC step 1's rule (no pow2), in float as on the device

@@ -13,10 +13,10 @@
 
 #include "device/comm/dispatch_params.h"
 #include "device/comm/grid_barrier.h"
-#include "device/comm/ptx_sync.h"
 #include "device/comm/wait.h"
 #include "device/comm/work_units.h"
 #include "device/debug/diag_trace.cuh"
+#include "device/ptx/ld_st.cuh"
 
 namespace epmoe::comm {
 namespace combine_detail {
@@ -37,8 +37,8 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const uint4& v) {
   }
 }
 __device__ __forceinline__ uint4 pack_bf16x8(const float* a) {
-  return make_uint4(cvt_rn_bf16x2(a[0], a[1]), cvt_rn_bf16x2(a[2], a[3]), cvt_rn_bf16x2(a[4], a[5]),
-                    cvt_rn_bf16x2(a[6], a[7]));
+  return make_uint4(ptx::cvt_rn_bf16x2(a[0], a[1]), ptx::cvt_rn_bf16x2(a[2], a[3]),
+                    ptx::cvt_rn_bf16x2(a[4], a[5]), ptx::cvt_rn_bf16x2(a[6], a[7]));
 }
 
 // Partial row storage: 8 channels are one bf16 vector or two fp32 vectors.
@@ -187,7 +187,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.combine_epoch_offset());
   const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = ld_ca_u64(epoch_word) + 1;
+  const uint64_t epoch = ptx::ld_ca_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineStart, true);
   diag::trace(diag::kCombEntry);
 
@@ -213,7 +213,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   if (stamps_phase_end(had_a)) stamp_phase(p.phase_ts, kCombinePartials);
   diag::trace(diag::kCombA);
   if (arrive_is_last_block(arrive_a) && threadIdx.x < R)
-    st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
+    ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
   diag::trace(diag::kCombArrivedA);
 
   // Phase B.
@@ -235,8 +235,8 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   // Phase C.
   if (arrive_is_last_block(arrive_c)) {
     if (threadIdx.x < R)
-      st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
-    if (threadIdx.x == 0) st_relaxed_gpu(epoch_word, epoch);
+      ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
+    if (threadIdx.x == 0) ptx::st_relaxed_gpu(epoch_word, epoch);
   }
   diag::trace(diag::kCombEnd);
 }

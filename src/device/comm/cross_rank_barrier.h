@@ -6,8 +6,9 @@
 #include <cstdint>
 
 #include "device/comm/peers.h"
-#include "device/comm/ptx_sync.h"
 #include "device/comm/wait.h"
+#include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
 
 namespace epmoe::comm {
 
@@ -19,8 +20,8 @@ __device__ __forceinline__ void cross_rank_barrier(const PeerPtrs& peers, int64_
   __syncthreads();
   const int r = threadIdx.x;
   if (r < num_ranks) {
-    fence_acq_rel_sys();
-    st_release_sys(peers.at<uint64_t>(r, slots_offset) + rank, epoch);
+    ptx::fence_acq_rel_sys();
+    ptx::st_release_sys(peers.at<uint64_t>(r, slots_offset) + rank, epoch);
     wait_geq_acquire_sys(site, peers.at<uint64_t>(rank, slots_offset) + r, epoch, "cross_rank_barrier", r);
   }
   __syncthreads();

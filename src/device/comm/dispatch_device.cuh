@@ -5,10 +5,11 @@
 #include <cuda_runtime.h>
 
 #include "device/comm/dispatch_params.h"
-#include "device/comm/fp8_quant.h"
-#include "device/comm/ptx_sync.h"
 #include "device/comm/status_bits.h"
 #include "device/debug/diag_trace.cuh"
+#include "device/ptx/ld_st.cuh"
+#include "device/quant/fp8_quant.cuh"
+#include "device/quant/fp8_scale.cuh"
 
 namespace epmoe::comm::dispatch_detail {
 
@@ -57,7 +58,7 @@ __device__ __forceinline__ void stage_routing(const DispatchParams& p, int t, co
   const bool bad = e < -1 || e >= E;
   if (bad) {
     e = -1;
-    red_or_relaxed_gpu(status, kStatusBadExpert);
+    ptx::red_or_relaxed_gpu(status, kStatusBadExpert);
   }
   const int pos = e >= 0 ? atomicAdd(&cursor[e], 1) : 0;
   SlotMeta m;
@@ -108,12 +109,12 @@ __device__ __forceinline__ void stage_token_chunk(const DispatchParams& p, int t
 #pragma unroll
     for (int j = 0; j < kQuantPairs; ++j) {
       const int g = g0 + 2 * j + (lane >> 4);
-      float amax = absmax8_bf16(val[j]);
+      float amax = quant::absmax8_bf16(val[j]);
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      const float s = scale_1x128(amax, p.pow2_scales);
+      const float s = quant::scale_1x128(amax, p.pow2_scales);
       if (g < G) {
-        dst[g * 16 + (lane & 15)] = quantize8_e4m3(val[j], s);
+        dst[g * 16 + (lane & 15)] = quant::quantize8_e4m3(val[j], s);
         if ((lane & 15) == 0) stage_scale[int64_t(t) * G + g] = s;
       }
     }
@@ -194,7 +195,7 @@ __device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const 
   const bool local = m.expert >= e_first && m.expert < e_first + E_loc;
   int row = local ? base[src * E_loc + (m.expert - e_first)] + m.pos : -1;
   if (row >= pl.max_rows()) {  // cannot happen with sane counts; never write out of bounds
-    red_or_relaxed_gpu(status, kStatusInternal);
+    ptx::red_or_relaxed_gpu(status, kStatusInternal);
     row = -1;
   }
   const unsigned mask = __ballot_sync(0xFFFFFFFFu, row >= 0);

@@ -26,6 +26,8 @@
 #include "device/comm/wait.h"
 #include "device/comm/work_units.h"
 #include "device/debug/diag_trace.cuh"
+#include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
 
 namespace epmoe::comm {
 
@@ -68,17 +70,19 @@ __device__ __forceinline__ void dispatch_finish(const DispatchParams& p, uint64_
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
   if (threadIdx.x < s.num_ranks)
-    st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)), epoch);
+    ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)), epoch);
   int32_t* cursor = reinterpret_cast<int32_t*>(p.local_ws + loc.cursor_offset());
   for (int e = threadIdx.x; e < s.num_experts; e += blockDim.x) cursor[e] = 0;
-  if (threadIdx.x == 0) st_relaxed_gpu(reinterpret_cast<uint64_t*>(p.local_ws + loc.dispatch_epoch_offset()), epoch);
+  if (threadIdx.x == 0)
+    ptx::st_relaxed_gpu(reinterpret_cast<uint64_t*>(p.local_ws + loc.dispatch_epoch_offset()), epoch);
 }
 
 // The megakernel's form: the epoch is read again here (nothing writes the word between the call's
 // start and dispatch_finish), so that no register holds it through the GEMM phase.
 __device__ __forceinline__ void dispatch_finish_reread(const DispatchParams& p) {
-  const uint64_t epoch =
-      ld_ca_u64(reinterpret_cast<const uint64_t*>(p.local_ws + CommLocalLayout{p.shape}.dispatch_epoch_offset())) + 1;
+  const auto* epoch_word =
+      reinterpret_cast<const uint64_t*>(p.local_ws + CommLocalLayout{p.shape}.dispatch_epoch_offset());
+  const uint64_t epoch = ptx::ld_ca_u64(epoch_word) + 1;
   __syncthreads();  // every thread has read the word before thread 0 advances it
   dispatch_finish(p, epoch);
 }
@@ -98,7 +102,7 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
   int32_t* cursor = reinterpret_cast<int32_t*>(ws + loc.cursor_offset());
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.dispatch_epoch_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = ld_ca_u64(epoch_word) + 1;
+  const uint64_t epoch = ptx::ld_ca_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStart, true);
   diag::trace(diag::kDispEntry);
 
@@ -138,8 +142,8 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
     }
     __syncthreads();
     if (threadIdx.x < R) {
-      fence_acq_rel_sys();
-      st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReady, p.rank)), epoch);
+      ptx::fence_acq_rel_sys();
+      ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReady, p.rank)), epoch);
     }
     diag::trace(diag::kDispPublished);
   }
@@ -171,7 +175,7 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
     if (blockIdx.x == gridDim.x - 1) {
       write_pool_counts(p, base, seg, counts, sym.counts_stride(), tokens_of);
       __syncthreads();
-      if (threadIdx.x == 0) st_release_gpu(reinterpret_cast<uint64_t*>(ws + loc.layout_epoch_offset()), epoch);
+      if (threadIdx.x == 0) ptx::st_release_gpu(reinterpret_cast<uint64_t*>(ws + loc.layout_epoch_offset()), epoch);
     }
   }
   diag::trace(diag::kDispLayout);

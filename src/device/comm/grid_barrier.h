@@ -3,9 +3,9 @@
 
 #include <cstdint>
 
-#include "device/comm/ptx_sync.h"
 #include "device/comm/wait.h"
 #include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
 
 namespace epmoe::comm {
 
@@ -19,13 +19,13 @@ __device__ __forceinline__ void grid_barrier(uint32_t* counter, const WaitSite& 
     const uint32_t n = gridDim.x;
     const uint32_t add = blockIdx.x == 0 ? 0x80000000u - (n - 1) : 1u;
     // Why sys: a later release by one block towards a peer GPU must cover the writes of every block.
-    fence_acq_rel_sys();
-    const uint32_t old = atom_add_acq_rel_gpu(counter, add);
-    uint32_t seen = ld_acquire_gpu(counter);
+    ptx::fence_acq_rel_sys();
+    const uint32_t old = ptx::atom_add_acq_rel_gpu(counter, add);
+    uint32_t seen = ptx::ld_acquire_gpu(counter);
     if (((seen ^ old) & 0x80000000u) == 0) {
-      const uint64_t start = globaltimer_ns();
-      while ((((seen = ld_acquire_gpu(counter)) ^ old) & 0x80000000u) == 0) {
-        const uint64_t waited = globaltimer_ns() - start;
+      const uint64_t start = ptx::globaltimer_ns();
+      while ((((seen = ptx::ld_acquire_gpu(counter)) ^ old) & 0x80000000u) == 0) {
+        const uint64_t waited = ptx::globaltimer_ns() - start;
         // Reported as grid_barrier[grid size]: expected = the top bit it waits for, seen = the word.
         if (waited > site.timeout_ns)
           wait_timed_out(site, "grid_barrier", int(n), (old & 0x80000000u) ? 0 : 0x80000000u, seen, waited);
@@ -50,8 +50,8 @@ __device__ __forceinline__ bool arrive_is_last_block(uint32_t* counter) {
   __shared__ bool is_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    fence_acq_rel_sys();
-    const uint32_t old = atom_add_acq_rel_gpu(counter, 1u);
+    ptx::fence_acq_rel_sys();
+    const uint32_t old = ptx::atom_add_acq_rel_gpu(counter, 1u);
     is_last = old == gridDim.x - 1;
     if (is_last) *counter = 0;  // Why plain: every other block has arrived and will not touch it again
   }

@@ -11,10 +11,11 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "device/comm/ptx_sync.h"
 #include "device/comm/status_bits.h"
 #include "device/comm/timeout_record.h"
 #include "device/layout/comm_layout.h"
+#include "device/ptx/fence.cuh"
+#include "device/ptx/ld_st.cuh"
 
 namespace epmoe::comm {
 
@@ -47,7 +48,7 @@ __device__ __forceinline__ CommTimeoutRecord* record_of(const WaitSite& site) {
 // arbitrates, not the record, because atomics on mapped host memory are not atomic over PCIe.
 __device__ __forceinline__ bool claim_report(const WaitSite& site) {
   if (!site.status) return true;
-  return (atom_or_relaxed_gpu(site.status, kStatusTimeout) & kStatusTimeout) == 0;
+  return (ptx::atom_or_relaxed_gpu(site.status, kStatusTimeout) & kStatusTimeout) == 0;
 }
 
 __device__ __forceinline__ void write_record(volatile CommTimeoutRecord* r, const WaitSite& site, const char* flag,
@@ -72,8 +73,8 @@ __device__ __forceinline__ void write_record(volatile CommTimeoutRecord* r, cons
 // A thread that lost the claim waits (bounded) until the reporter has finished, so that its own
 // trap does not tear the grid down while the record is half written.
 __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done) {
-  const uint64_t start = globaltimer_ns();
-  while (*done == 0u && globaltimer_ns() - start < kReportGraceNs) {
+  const uint64_t start = ptx::globaltimer_ns();
+  while (*done == 0u && ptx::globaltimer_ns() - start < kReportGraceNs) {
   }
 }
 
@@ -87,7 +88,7 @@ __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done)
   const bool reporter = wait_detail::claim_report(site);
   if (r && !reporter) {
     wait_detail::wait_for_reporter(&r->printed);
-    trap();
+    ptx::trap();
     __builtin_unreachable();
   }
   if (r) wait_detail::write_record(r, site, flag, index, expected, seen, waited_ns);
@@ -103,7 +104,7 @@ __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done)
     r->printed = 1u;
     __threadfence_system();
   }
-  trap();
+  ptx::trap();
   __builtin_unreachable();
 }
 #else
@@ -122,7 +123,7 @@ __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done)
       wait_detail::wait_for_reporter(&r->valid);
   }
   __threadfence_system();
-  trap();
+  ptx::trap();
   __builtin_unreachable();
 }
 #endif
@@ -135,12 +136,12 @@ __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done)
 template <bool kSys>
 __device__ __forceinline__ uint64_t wait_geq_acquire(const WaitSite& site, const uint64_t* p, uint64_t expected,
                                                      const char* flag, int index) {
-  const auto acquire = [p] { return kSys ? ld_acquire_sys(p) : ld_acquire_gpu_u64(p); };
+  const auto acquire = [p] { return kSys ? ptx::ld_acquire_sys(p) : ptx::ld_acquire_gpu_u64(p); };
   uint64_t seen = acquire();
   if (seen >= expected) return seen;
-  const uint64_t start = globaltimer_ns();
-  while ((seen = kSys ? ld_relaxed_sys(p) : ld_relaxed_gpu(p)) < expected) {
-    const uint64_t waited = globaltimer_ns() - start;
+  const uint64_t start = ptx::globaltimer_ns();
+  while ((seen = kSys ? ptx::ld_relaxed_sys(p) : ptx::ld_relaxed_gpu(p)) < expected) {
+    const uint64_t waited = ptx::globaltimer_ns() - start;
     if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
   }
   return acquire();

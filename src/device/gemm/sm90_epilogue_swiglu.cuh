@@ -10,6 +10,8 @@
 
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/ptx/ld_st.cuh"
+#include "device/ptx/math.cuh"
+#include "device/quant/fp8_quant.cuh"
 #include "device/quant/fp8_scale.cuh"
 #include "device/scheduler/sm90_grouped_scheduler.cuh"
 
@@ -24,10 +26,8 @@ namespace epmoe::gemm {
 // The .ftz forms are exact here: ex2's result is >= 2^-126 for any g that matters (for
 // g > 87, e^-g flushes to 0 and silu = g, as it should), and rcp's argument is >= 1.
 __device__ __forceinline__ float silu_f32(float g) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-  return g * r;
+  const float e = ptx::ex2_approx_ftz_f32(g * -1.4426950408889634f);
+  return g * ptx::rcp_approx_ftz_f32(1.0f + e);
 }
 
 // kToSmem (FP8 only, the deferred L1 store of sm90_epilogue_deferred.cuh): the codes go to this
@@ -89,9 +89,8 @@ struct Sm90EpilogueSwiGLU {
       }
       const bool pow2 = p.pow2_scales != 0;
       const float s[2] = {quant::scale_1x128(amax0, pow2), quant::scale_1x128(amax1, pow2)};
-      // a / s as a * (1 / s): one rounded reciprocal per row instead of an IEEE division per
-      // channel. Exact when s is a power of two; otherwise within an ulp of the quotient.
-      const float inv[2] = {__frcp_rn(s[0]), __frcp_rn(s[1])};
+      // The codes are a * (1 / s) (see quant::reciprocal_scale).
+      const float inv[2] = {quant::reciprocal_scale(s[0]), quant::reciprocal_scale(s[1])};
       if constexpr (kToSmem) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -101,8 +100,7 @@ struct Sm90EpilogueSwiGLU {
           for (int i = 0; i < 16; ++i)
             ptx::st_shared_u16(slab_s + r * 128u + ((uint32_t(i / 2) ^ (r & 7u)) * 16u) +
                                    uint32_t(8 * (i % 2) + 2 * (lane % 4)),
-                               ptx::cvt_rn_satfinite_e4m3x2(a[4 * i + 2 * half] * inv[half],
-                                                            a[4 * i + 2 * half + 1] * inv[half]));
+                               quant::encode_e4m3x2_times(a[4 * i + 2 * half], a[4 * i + 2 * half + 1], inv[half]));
           if (lane % 4 == 0) ptx::st_shared_f32(scale_s + uint32_t(wg * kWarpgroupM + int(r)) * 4u, s[half]);
         }
         return;
@@ -115,8 +113,8 @@ struct Sm90EpilogueSwiGLU {
         uint8_t* row = out + int64_t(t.row0 + r) * p.out_ld + out_col;
 #pragma unroll
         for (int i = 0; i < 16; ++i)
-          *reinterpret_cast<uint16_t*>(row + 8 * i) = ptx::cvt_rn_satfinite_e4m3x2(
-              a[4 * i + 2 * half] * inv[half], a[4 * i + 2 * half + 1] * inv[half]);
+          *reinterpret_cast<uint16_t*>(row + 8 * i) =
+              quant::encode_e4m3x2_times(a[4 * i + 2 * half], a[4 * i + 2 * half + 1], inv[half]);
         if (lane % 4 == 0) p.out_scale[int64_t(t.n_block) * p.scale_stride + t.row0 + r] = s[half];
       }
     } else {

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "device/ptx/fence.cuh"
+
 // The fused megakernel's translation units define this to 1 before any GEMM header
 // (kernels/sm90_fused_moe.cuh, which static_asserts that it took effect); the standalone GEMM
 // kernels keep 0.
@@ -25,9 +27,7 @@ inline constexpr bool kEpilogueTidPerTile = EPMOE_GEMM_EPILOGUE_TID_PER_TILE != 
 // keep threadIdx.x.
 __device__ __forceinline__ uint32_t epilogue_tid() {
   if constexpr (kEpilogueTidPerTile) {
-    uint32_t t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return t;
+    return ptx::tid_x_volatile();
   } else {
     return threadIdx.x;
   }

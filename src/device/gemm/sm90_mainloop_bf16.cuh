@@ -8,6 +8,7 @@
 #include "device/gemm/sm90_smem_desc.cuh"
 #include "device/gemm/sm90_smem_layout.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
+#include "device/ptx/math.cuh"
 #include "device/ptx/wgmma.cuh"
 
 namespace epmoe::gemm {
@@ -56,7 +57,7 @@ struct Sm90Bf16Mainloop {
     uint32_t bars_s = smem_s + Layout::kBarOffset;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       // The loop-carried add keeps the base in a register (see the FP8 mainloop).
-      asm volatile("add.u32 %0, %0, %1;" : "+r"(smem_s) : "r"(zero));
+      smem_s = ptx::add_u32_volatile(smem_s, zero);
       bars_s = smem_s + Layout::kBarOffset;
       const uint32_t a_lo0 =
           smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));

@@ -34,6 +34,7 @@
 #include "device/pipeline/sm90_watchdog.cuh"
 #include "device/ptx/fence.cuh"
 #include "device/ptx/ld_st.cuh"
+#include "device/ptx/math.cuh"
 #include "device/ptx/tma.cuh"
 #include "device/scheduler/sm90_grouped_scheduler.cuh"
 
@@ -187,10 +188,10 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     const float* b_scale[2] = {nullptr, nullptr};
     if constexpr (Cfg::kFp8) {
       static_assert(Cfg::kBlockK == kScaleBlock, "one weight scale per K block: num_k_blocks is k / 128");
-      // Why the empty asm: it keeps n / 128 from becoming a loop invariant held across the tile
+      // Why ptx::opaque: it keeps n / 128 from becoming a loop invariant held across the tile
       // loop; the fused kernel's FP8 loop sits at its register cap, and that one value spilled.
       int n_weight_rows = p.n;
-      asm volatile("" : "+r"(n_weight_rows));
+      ptx::opaque(n_weight_rows);
       const int n_blocks128 = n_weight_rows / kScaleBlock;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

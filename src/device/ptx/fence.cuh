@@ -1,4 +1,4 @@
-// Fences and CTA-level synchronisation primitives.
+// Fences, CTA-level synchronisation primitives and the special registers the kernels read.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,21 @@ template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
   static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes 24..256 in steps of 8");
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// Acquire-release fences, system scope (orders this thread's accesses against peer ranks') and
+// gpu scope.
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// ---- Special registers ----------------------------------------------------------------------------
+// %tid.x through a volatile mov, read where it is called: unlike threadIdx.x it is not a loop
+// invariant, so values derived from it are recomputed rather than held across a loop (see
+// gemm::epilogue_tid).
+__device__ __forceinline__ uint32_t tid_x_volatile() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
 }
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {

@@ -1,4 +1,5 @@
-// Plain global loads and stores whose caching behaviour matters to the GEMM epilogues.
+// Global and shared-window loads, stores and atomics. Caching, memory order and scope are in each
+// name.
 #pragma once
 
 #include <cstdint>
@@ -76,7 +77,7 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
 
 // Cached in L1 as well (ld.global.ca): for small arrays that every warp of every block reads and
 // nobody writes while they are read: the GEMM schedulers' expert counts and offsets (s32), the
-// comm phases' epoch words (u64, comm/ptx_sync.h). Written
+// comm phases' epoch words (u64). Written
 // before the reader's grid started (the standalone kernels), or before a grid barrier whose
 // gpu-scope acquire orders the reading block after the writers (the fused kernel: the acquire
 // also drops the SM's stale L1 lines, CCTL.IVALL in the SASS). Why not ld_cg_s32: with .cg every
@@ -103,6 +104,55 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
 }
 __device__ __forceinline__ void red_add_release_gpu(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// ---- The comm kernels' flags, epochs and status words ----------------------------------------------
+// 64-bit flags and epochs: sys scope for words a peer rank writes or reads over NVLink, gpu scope
+// for words only this GPU's blocks touch.
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Read-modify-write on 32-bit counters (grid barriers) and status bit sets.
+__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ uint32_t atom_or_relaxed_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.or.relaxed.gpu.global.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ void red_or_relaxed_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("red.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // Two fp32 -> two e4m3 in one 16-bit word (lo = first), round to nearest even, saturating.
