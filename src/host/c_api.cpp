@@ -19,20 +19,6 @@
 #include "epmoe/version.h"
 #include "host/check.h"
 
-// Why these switches: the C API was written against comm.h and layer.h before their
-// implementations landed. python/CMakeLists.txt defines each one when a source under src/ defines
-// the matching factory; without it the C functions that need it return EPMOE_UNSUPPORTED, and
-// libepmoe_c.so still links with no undefined symbol.
-#ifndef EPMOE_C_HAVE_COMM
-#define EPMOE_C_HAVE_COMM 0
-#endif
-#ifndef EPMOE_C_HAVE_LAYER
-#define EPMOE_C_HAVE_LAYER 0
-#endif
-#ifndef EPMOE_C_HAVE_DISPATCH
-#define EPMOE_C_HAVE_DISPATCH 0
-#endif
-
 static_assert(sizeof(ncclUniqueId) == EPMOE_UNIQUE_ID_BYTES, "EPMOE_UNIQUE_ID_BYTES != sizeof(ncclUniqueId)");
 static_assert(EPMOE_INVALID_ARGUMENT == int(epmoe::StatusCode::kInvalidArgument) &&
                   EPMOE_INTERNAL == int(epmoe::StatusCode::kInternal),
@@ -192,7 +178,6 @@ Status check_layer(const epmoe_layer* layer) {
   return Status::Ok();
 }
 
-#if EPMOE_C_HAVE_COMM
 Status fill_comm(std::unique_ptr<epmoe::Communicator> c, epmoe_comm** out) {
   auto wrapper = std::make_unique<epmoe_comm>();
   wrapper->rank = c->rank();
@@ -202,7 +187,6 @@ Status fill_comm(std::unique_ptr<epmoe::Communicator> c, epmoe_comm** out) {
   *out = wrapper.release();
   return Status::Ok();
 }
-#endif
 
 }  // namespace
 
@@ -276,7 +260,6 @@ int epmoe_comm_create(const uint8_t* unique_id, int rank, int size, int device, 
     if (rank < 0 || rank >= size) return invalid("rank=", rank, " must be in [0, size=", size, ")");
     EPMOE_RETURN_IF_ERROR(epmoe::check_nccl_runtime_version());
     EPMOE_RETURN_IF_ERROR(check_device_index(device));
-#if EPMOE_C_HAVE_COMM
     ncclUniqueId id;
     std::memcpy(&id, unique_id, sizeof(id));
     DeviceGuard guard;
@@ -284,9 +267,6 @@ int epmoe_comm_create(const uint8_t* unique_id, int rank, int size, int device, 
     std::unique_ptr<epmoe::Communicator> c;
     EPMOE_RETURN_IF_ERROR(epmoe::Communicator::create(id, rank, size, &c));
     return fill_comm(std::move(c), out);
-#else
-    return unsupported_until("epmoe::Communicator");
-#endif
   });
 }
 
@@ -296,7 +276,6 @@ int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out) {
     *out = nullptr;
     if (nccl_comm == 0) return invalid("nccl_comm is null");
     EPMOE_RETURN_IF_ERROR(epmoe::check_nccl_runtime_version());
-#if EPMOE_C_HAVE_COMM
     auto comm = reinterpret_cast<ncclComm_t>(nccl_comm);
     int device = -1;
     EPMOE_NCCL_RETURN(ncclCommCuDevice(comm, &device));
@@ -305,9 +284,6 @@ int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out) {
     std::unique_ptr<epmoe::Communicator> c;
     EPMOE_RETURN_IF_ERROR(epmoe::Communicator::wrap(comm, &c));
     return fill_comm(std::move(c), out);
-#else
-    return unsupported_until("epmoe::Communicator");
-#endif
   });
 }
 
@@ -325,14 +301,12 @@ int epmoe_comm_destroy(epmoe_comm* comm) {
   return guarded([&]() -> Status {
     if (!comm) return Status::Ok();
     std::unique_ptr<epmoe_comm> owned(comm);
-#if EPMOE_C_HAVE_COMM
     if (owned->comm) {
       DeviceGuard guard;
       Status st = guard.enter(owned->device);  // free even if the device switch failed
       delete owned->comm;
       return st;
     }
-#endif
     return Status::Ok();
   });
 }
@@ -350,7 +324,6 @@ int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg, epmoe_la
     if (c.num_ranks != comm->size)
       return invalid("num_ranks=", c.num_ranks, " does not match the communicator's size=", comm->size);
     EPMOE_RETURN_IF_ERROR(epmoe::validate(c));
-#if EPMOE_C_HAVE_LAYER
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
     std::unique_ptr<epmoe::MoELayer> layer;
@@ -361,9 +334,6 @@ int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg, epmoe_la
     wrapper->cfg = c;
     *out = wrapper.release();
     return Status::Ok();
-#else
-    return unsupported_until("epmoe::MoELayer");
-#endif
   });
 }
 
@@ -393,14 +363,9 @@ int epmoe_layer_load_weights(epmoe_layer* layer, const void* w1, const float* w1
     w.w2 = w2;
     w.w2_scale = w2_scale;
     w.on_device = on_device != 0;
-#if EPMOE_C_HAVE_LAYER
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->load_weights(w, static_cast<cudaStream_t>(stream));
-#else
-    (void)stream;
-    return unsupported_until("epmoe::MoELayer");
-#endif
   });
 }
 
@@ -412,29 +377,19 @@ int epmoe_layer_forward(epmoe_layer* layer, const void* x, const int32_t* topk_i
     if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED)
       return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0) or EPMOE_PATH_FUSED (1)");
     EPMOE_RETURN_IF_ERROR(epmoe::validate_call(layer->cfg, num_tokens, x, topk_idx, topk_weights, y));
-#if EPMOE_C_HAVE_LAYER
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->forward(x, topk_idx, topk_weights, y, num_tokens,
                                  static_cast<cudaStream_t>(stream), static_cast<epmoe::Path>(path));
-#else
-    (void)stream;
-    return unsupported_until("epmoe::MoELayer");
-#endif
   });
 }
 
 int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_layer(layer));
-#if EPMOE_C_HAVE_LAYER
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->check_device_error(static_cast<cudaStream_t>(stream));
-#else
-    (void)stream;
-    return unsupported_until("epmoe::MoELayer");
-#endif
   });
 }
 
@@ -442,14 +397,12 @@ int epmoe_layer_destroy(epmoe_layer* layer) {
   return guarded([&]() -> Status {
     if (!layer) return Status::Ok();
     std::unique_ptr<epmoe_layer> owned(layer);
-#if EPMOE_C_HAVE_LAYER
     if (owned->layer) {
       DeviceGuard guard;
       Status st = guard.enter(owned->comm->device);  // free even if the device switch failed
       delete owned->layer;
       return st;
     }
-#endif
     return Status::Ok();
   });
 }
@@ -463,7 +416,6 @@ int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg, ep
     if (!comm || !comm->comm) return invalid("comm is null");
     epmoe::DispatchConfig c;
     EPMOE_RETURN_IF_ERROR(to_dispatch_config(cfg, &c));
-#if EPMOE_C_HAVE_DISPATCH
     EPMOE_RETURN_IF_ERROR(epmoe::DispatchHandle::validate(*comm->comm, c));
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
@@ -474,9 +426,6 @@ int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg, ep
     wrapper->comm = comm;
     *out = wrapper.release();
     return Status::Ok();
-#else
-    return unsupported_until("epmoe::DispatchHandle");
-#endif
   });
 }
 
@@ -484,7 +433,6 @@ int epmoe_dispatch_get_pool(const epmoe_dispatch* h, epmoe_pool_view* view) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_dispatch(h));
     if (!view) return invalid("view is null");
-#if EPMOE_C_HAVE_DISPATCH
     const epmoe::ExpertPoolView p = h->handle->pool();
     view->base = p.base;
     view->bytes = p.bytes;
@@ -500,9 +448,6 @@ int epmoe_dispatch_get_pool(const epmoe_dispatch* h, epmoe_pool_view* view) {
     view->expert_count = p.expert_count;
     view->expert_offset = p.expert_offset;
     return Status::Ok();
-#else
-    return unsupported_until("epmoe::DispatchHandle");
-#endif
   });
 }
 
@@ -510,43 +455,28 @@ int epmoe_dispatch_run(epmoe_dispatch* h, const void* x, const int32_t* topk_idx
                        const float* topk_weights, int64_t num_tokens, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_dispatch(h));
-#if EPMOE_C_HAVE_DISPATCH
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
     return h->handle->dispatch(x, topk_idx, topk_weights, num_tokens,
                                static_cast<cudaStream_t>(stream));
-#else
-    (void)x, (void)topk_idx, (void)topk_weights, (void)num_tokens, (void)stream;
-    return unsupported_until("epmoe::DispatchHandle");
-#endif
   });
 }
 
 int epmoe_combine_run(epmoe_dispatch* h, void* y, int64_t num_tokens, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_dispatch(h));
-#if EPMOE_C_HAVE_DISPATCH
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
     return h->handle->combine(y, num_tokens, static_cast<cudaStream_t>(stream));
-#else
-    (void)y, (void)num_tokens, (void)stream;
-    return unsupported_until("epmoe::DispatchHandle");
-#endif
   });
 }
 
 int epmoe_dispatch_check_errors(epmoe_dispatch* h, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_dispatch(h));
-#if EPMOE_C_HAVE_DISPATCH
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
     return h->handle->check_errors(static_cast<cudaStream_t>(stream));
-#else
-    (void)stream;
-    return unsupported_until("epmoe::DispatchHandle");
-#endif
   });
 }
 
@@ -554,14 +484,12 @@ int epmoe_dispatch_destroy(epmoe_dispatch* h) {
   return guarded([&]() -> Status {
     if (!h) return Status::Ok();
     std::unique_ptr<epmoe_dispatch> owned(h);
-#if EPMOE_C_HAVE_DISPATCH
     if (owned->handle) {
       DeviceGuard guard;
       Status st = guard.enter(owned->comm->device);  // free even if the device switch failed
       delete owned->handle;
       return st;
     }
-#endif
     return Status::Ok();
   });
 }

@@ -26,10 +26,6 @@ using detail::invalid;
 
 namespace {
 
-// Internal switch of the fused path (Path::kFused). false: forward(kFused) returns kUnsupported
-// and the megakernel stays compiled but unused.
-constexpr bool kFusedPathEnabled = true;
-
 // Device buffer owned by the layer; freed on destruction.
 struct DeviceBuffer {
   void* ptr = nullptr;
@@ -134,9 +130,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     EPMOE_RETURN_IF_ERROR(validate_call(cfg_, num_tokens, x, topk_idx, topk_weights, y));
     if (!weights_loaded_) return invalid("forward: load_weights() has not been called");
     if (path == Path::kFused) {
-      if (!kFusedPathEnabled)
-        return Status(StatusCode::kUnsupported,
-                      "forward: path=fused (the megakernel) is disabled in this build; use Path::kPipeline");
       EPMOE_RETURN_IF_ERROR(fused_status_);
     }
     if (path != Path::kPipeline && path != Path::kFused) return invalid("forward: path=", static_cast<int>(path), " is unknown");
@@ -337,7 +330,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   // The megakernel's attributes and co-resident grid, on the current (the layer's) device.
   Status configure_fused() {
-    if (!kFusedPathEnabled) return Status::Ok();
     const cudaError_t e = cfg_.dtype == DType::kFP8 ? fused::configure_sm90_fused_moe_fp8(comm_.device(), &fused_grid_)
                                                     : fused::configure_sm90_fused_moe_bf16(comm_.device(), &fused_grid_);
     if (e != cudaSuccess)
