@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /// Bumped whenever a signature or a struct below changes; bindings check it at load time.
-#define EPMOE_C_API_VERSION 1
+#define EPMOE_C_API_VERSION 2
 
 /// Size of an ncclUniqueId, the token that bootstraps a communicator.
 #define EPMOE_UNIQUE_ID_BYTES 128
@@ -58,7 +58,7 @@ typedef struct epmoe_layer_config {
   float activation_clamp;    ///< <= 0 disables the clamp
   int32_t pow2_scales;       ///< nonzero: round FP8 activation scales up to a power of two
   int32_t combine_partials;  ///< EPMOE_PARTIALS_* (0 = fp32, the default)
-  double timeout_seconds;    ///< bound of every device-side wait, in (0, 3600]; 0 means the default (10 s)
+  double timeout_seconds;    ///< bound of the communication waits for a peer, in (0, 3600]; 0: the default (10 s)
 } epmoe_layer_config;
 
 /// Precision of combine's partial sums (epmoe::PartialPrecision).

@@ -11,7 +11,7 @@ from ctypes import c_void_p, c_size_t
 from ._errors import LibraryError, error_for
 
 # Must equal EPMOE_C_API_VERSION of the library this package was written for.
-C_API_VERSION = 1
+C_API_VERSION = 2
 UNIQUE_ID_BYTES = 128
 LIBRARY_NAME = "libepmoe_c.so"
 

@@ -33,7 +33,7 @@ class LayerConfig:
     activation_clamp: float | None = None
     pow2_scales: bool = False
     combine_partials: str = "fp32"  # "fp32" or "bf16": precision of combine's partial sums
-    timeout_seconds: float = 10.0  # bound of every device-side wait, in (0, 3600]
+    timeout_seconds: float = 10.0  # bound of the communication waits for a peer, in (0, 3600]
 
     @property
     def experts_per_rank(self) -> int:
@@ -136,8 +136,9 @@ class Layer:
         combine_partials: "fp32" (default) or "bf16": precision of the per-(token, expert rank)
             partial sums that combine sends back; bf16 halves combine's NVLink bytes at the cost
             of one more bf16 rounding per partial (within SPEC's accuracy bound).
-        timeout_seconds: bound of every device-side wait for a peer or a pipeline stage, in
-            (0, 3600]; a wait that expires fails the call with a message naming it.
+        timeout_seconds: bound of the device-side waits for a peer (dispatch, combine, the
+            megakernel's cross-rank flags and barriers), in (0, 3600]; a wait that expires fails the
+            call with a message naming it. The GEMM pipelines' own stage waits keep a fixed 10 s.
     """
 
     def __init__(self, group_or_comm: Any, num_experts: int, hidden: int, intermediate: int,
