@@ -188,21 +188,8 @@ struct Evidence {
     if (token_err2.empty()) return;
     ref::Rng rng(ref::mix_seed(token_err2.size(), 34));
     for (int n : {1, 2, 4, 8, 16, 32, 64, 128}) {
-      const int draws = 100000;
-      std::vector<double> rel(draws);
-      int over = 0;
-      for (int d = 0; d < draws; ++d) {
-        double e2 = 0, r2 = 0;
-        for (int i = 0; i < n; ++i) {
-          const int j = rng.below(int(token_err2.size()));
-          e2 += token_err2[j];
-          r2 += token_ref2[j];
-        }
-        rel[d] = r2 > 0 ? std::sqrt(e2 / r2) : 0.0;
-        over += rel[d] > 1e-2;
-      }
-      std::printf("[evidence]   bootstrap n=%3d tokens: rel_l2 %s; P(> 1e-2) = %.2e\n", n, q(rel).c_str(),
-                  double(over) / draws);
+      const ref::SampleTail t = ref::bootstrap_rel_l2(token_err2, token_ref2, n, 100000, 1e-2, rng);
+      std::printf("[evidence]   bootstrap n=%3d tokens: rel_l2 %s; P(> 1e-2) = %.2e\n", n, q(t.rel).c_str(), t.above);
     }
   }
 };

@@ -140,4 +140,24 @@ double combine_error_window(double o_abs_sum, int slots, bool bf16_partials) {
   return (double(slots + 2) * 0x1p-24 + (bf16_partials ? 0x1p-8 : 0.0)) * o_abs_sum;
 }
 
+SampleTail bootstrap_rel_l2(const std::vector<double>& err2, const std::vector<double>& ref2, int n, int draws,
+                            double bound, Rng& rng) {
+  SampleTail t;
+  t.rel.resize(size_t(draws));
+  int over = 0;
+  for (double& rel : t.rel) {
+    double e2 = 0, r2 = 0;
+    for (int i = 0; i < n; ++i) {
+      const int j = rng.below(int(err2.size()));
+      e2 += err2[j];
+      r2 += ref2[j];
+    }
+    rel = r2 > 0 ? std::sqrt(e2 / r2) : 0.0;
+    over += rel > bound;
+  }
+  std::sort(t.rel.begin(), t.rel.end());
+  t.above = draws > 0 ? double(over) / draws : 0.0;
+  return t;
+}
+
 }  // namespace epmoe::ref

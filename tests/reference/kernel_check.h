@@ -20,6 +20,9 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
+
+#include "reference/data.h"
 
 #include "reference/reference.h"
 
@@ -91,5 +94,15 @@ double gemm_error_window(double v_abs, int n_k, double gamma);
 // to o_abs_sum over `slots` rows: fp32 reordering of the sum, and with bf16 partials (per-rank
 // sums rounded to bf16 before the final sum) half a bf16 ulp of each partial.
 double combine_error_window(double o_abs_sum, int slots, bool bf16_partials);
+
+// The small-sample tail of SPEC's rel_l2: `draws` samples of n tokens drawn with replacement from
+// per-token squared errors err2[i] and squared reference norms ref2[i] (same length, not empty).
+// rel: each sample's rel_l2, sorted; above: the fraction of samples whose rel_l2 exceeds `bound`.
+struct SampleTail {
+  std::vector<double> rel;
+  double above = 0.0;
+};
+SampleTail bootstrap_rel_l2(const std::vector<double>& err2, const std::vector<double>& ref2, int n, int draws,
+                            double bound, Rng& rng);
 
 }  // namespace epmoe::ref

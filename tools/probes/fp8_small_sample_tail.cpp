@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "reference/data.h"
+#include "reference/kernel_check.h"
 #include "reference/numeric.h"
 #include "reference/reference.h"
 
@@ -130,22 +131,10 @@ int main(int argc, char** argv) {
     Rng br(mix_seed(seed, 5, m));
     for (int n : {1, 2, 4, 8, 16, 32, 64}) {
       const int draws = 200000;
-      std::vector<double> rel(draws);
-      int over = 0;
-      for (int d = 0; d < draws; ++d) {
-        double e2 = 0, r2 = 0;
-        for (int i = 0; i < n; ++i) {
-          const int j = br.below(int(pool.err2.size()));
-          e2 += pool.err2[j];
-          r2 += pool.ref2[j];
-        }
-        rel[d] = std::sqrt(e2 / r2);
-        over += rel[d] > 1e-2;
-      }
-      std::sort(rel.begin(), rel.end());
+      const SampleTail t = bootstrap_rel_l2(pool.err2, pool.ref2, n, draws, 1e-2, br);
       std::printf("  n=%3d tokens (%5d groups): rel_l2 p50 %.2e p90 %.2e p99 %.2e max %.2e; P(> 1e-2) %.2e\n", n,
-                  n * groups_per_token, rel[draws / 2], rel[draws * 9 / 10], rel[draws * 99 / 100], rel.back(),
-                  double(over) / draws);
+                  n * groups_per_token, t.rel[draws / 2], t.rel[draws * 9 / 10], t.rel[draws * 99 / 100],
+                  t.rel.back(), t.above);
     }
     const double rho = rho_for(pool, 1e-2);
     if (rho < 1.0) {

@@ -167,7 +167,7 @@ struct Sm90EpilogueDeferredBf16 {
     ptx::prefetch_tensormap(map_d);
     for (tile_count = 0;; ++tile_count) {
       phase = tile_count & 1u;
-      if (!wait_sleeping(smem_s + Layout::kStagedBarOffset, phase)) return false;
+      if (!wait_staged<Layout>(smem_s, phase)) return false;
       const uint4 info = ptx::ld_shared_v4(smem_s + Layout::kTileInfoOffset);
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       const uint32_t kept = info.w;
@@ -214,7 +214,7 @@ struct Sm90EpilogueDeferredBf16 {
     ptx::prefetch_tensormap(map_d);
     for (tile_count = 0;; ++tile_count) {
       phase = tile_count & 1u;
-      if (!wait_sleeping(smem_s + Layout::kStagedBarOffset, phase)) return false;
+      if (!wait_staged<Layout>(smem_s, phase)) return false;
       const uint4 info = ptx::ld_shared_v4(smem_s + Layout::kTileInfoOffset);
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       if (rows_valid < 0) break;
@@ -245,7 +245,7 @@ struct Sm90EpilogueDeferredBf16 {
     ptx::prefetch_tensormap(map_d2);
     for (tile_count = 0;; ++tile_count) {
       phase = tile_count & 1u;
-      if (!wait_sleeping(smem_s + Layout::kStagedBarOffset, phase)) return false;
+      if (!wait_staged<Layout>(smem_s, phase)) return false;
       const uint4 info = ptx::ld_shared_v4(smem_s + Layout::kTileInfoOffset);
       const int row0 = int(info.x), rows_valid = int(info.y), n_block = int(info.z);
       if (rows_valid < 0) break;
@@ -307,10 +307,12 @@ struct Sm90EpilogueDeferredBf16 {
     ptx::mbarrier_arrive_release_cta_s(smem_s + Layout::kDrainedBarOffset);
   }
 
-  // Why not the ring's spinning wait: the storer waits through a whole mainloop per tile, and a
-  // polling warp takes issue slots from the math warps on its sub-partition.
-  __device__ static bool wait_sleeping(uint32_t bar, uint32_t parity) {
-    return pipeline::mbarrier_wait_bounded_suspend_s(bar, parity);
+  // Storer side: the next tile's "staged" phase. Why a suspending wait: the storer waits through a
+  // whole mainloop per tile, and a polling warp takes issue slots from the math warps on its
+  // sub-partition.
+  template <class Layout>
+  __device__ static bool wait_staged(uint32_t smem_s, uint32_t phase) {
+    return pipeline::mbarrier_wait_bounded_s<pipeline::kSuspendHintNs>(smem_s + Layout::kStagedBarOffset, phase);
   }
 };
 

@@ -16,30 +16,29 @@ namespace epmoe::pipeline {
 // faults) waits this long, and trapping beats hanging the GPU for everyone.
 inline constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
-// Spins on one mbarrier phase for at most kWaitTimeoutNs; false on timeout.
+// Waits for one mbarrier phase for at most kWaitTimeoutNs; false on timeout.
 // bar: the barrier's 32-bit shared-window address.
+// kSuspendNs > 0, for waits that usually last long (a producer ahead of its consumers, the
+// deferred epilogue's storer waiting for the next tile): each try suspends the thread for up to
+// that long, so the waiting warp takes almost no issue slots from the math warps on its
+// sub-partition. 0: each try returns at once (waits that are usually short).
+inline constexpr uint32_t kSuspendHintNs = 20000;
+template <uint32_t kSuspendNs>
+__device__ __forceinline__ bool mbarrier_try_wait_once_s(uint32_t bar, uint32_t parity) {
+  if constexpr (kSuspendNs > 0) return ptx::mbarrier_try_wait_parity_suspend_s(bar, parity, kSuspendNs);
+  return ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity);
+}
+template <uint32_t kSuspendNs = 0>
 __device__ __forceinline__ bool mbarrier_wait_bounded_s(uint32_t bar, uint32_t parity) {
-  if (ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) return true;
+  if (mbarrier_try_wait_once_s<kSuspendNs>(bar, parity)) return true;
   const uint64_t start = ptx::globaltimer_ns();
-  while (!ptx::mbarrier_try_wait_parity_acquire_cta_s(bar, parity)) {
+  while (!mbarrier_try_wait_once_s<kSuspendNs>(bar, parity)) {
     if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
   }
   return true;
 }
 __device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t parity) {
   return mbarrier_wait_bounded_s(ptx::smem_u32(bar), parity);
-}
-// The same bound for waits that usually last long (a producer ahead of its consumers, a storer
-// waiting for the next tile): each try suspends the thread for up to kSuspendHintNs, so the
-// waiting warp takes almost no issue slots from the math warps on its sub-partition.
-inline constexpr uint32_t kSuspendHintNs = 20000;
-__device__ __forceinline__ bool mbarrier_wait_bounded_suspend_s(uint32_t bar, uint32_t parity) {
-  if (ptx::mbarrier_try_wait_parity_suspend_s(bar, parity, kSuspendHintNs)) return true;
-  const uint64_t start = ptx::globaltimer_ns();
-  while (!ptx::mbarrier_try_wait_parity_suspend_s(bar, parity, kSuspendHintNs)) {
-    if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
-  }
-  return true;
 }
 
 template <int kStages>
@@ -70,7 +69,7 @@ struct TmaPipeline {
   // for the parity before its first phase, hence phase ^ 1.
   // Returns false on timeout (see sm90_watchdog.cuh).
   __device__ __forceinline__ bool producer_acquire(const State& st) const {
-    return mbarrier_wait_bounded_suspend_s(ptx::smem_u32(&empty[st.index]), st.phase ^ 1u);
+    return mbarrier_wait_bounded_s<kSuspendHintNs>(ptx::smem_u32(&empty[st.index]), st.phase ^ 1u);
   }
   __device__ __forceinline__ uint64_t* producer_barrier(const State& st) const { return &full[st.index]; }
 

@@ -55,7 +55,6 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta_s(uint32_t 
   return done != 0;
 }
 
-// One probe of the phase with the given parity; true once that phase has completed.
 // try_wait with a suspend-time hint: the thread sleeps in the instruction until the phase
 // completes or about `hint_ns` pass, instead of returning at once. For waits that last long
 // (a producer ahead of its consumers, the deferred epilogue's storer): a polling loop around a
@@ -108,6 +107,7 @@ __device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_s(u
   return failed;
 }
 
+// One probe of the phase with the given parity; true once that phase has completed.
 __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta(uint64_t* bar, uint32_t parity) {
   return mbarrier_try_wait_parity_acquire_cta_s(smem_u32(bar), parity);
 }
