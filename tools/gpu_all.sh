@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|e2e-stats]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|e2e-stats]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -153,6 +153,32 @@ if [ "$mode" = peer-gemm ]; then
       -o "$out/ncu_deepgemm" python3 .gpu/peers/deepgemm_gemm.py 8,4096,4096,7168
     ncu_export ncu_deepgemm
     # E1: the L2 kernel (bf16 out), E3: the L1 kernel (SwiGLU + FP8 requant), Sm90Epilogue's order.
+    for e in E1 E3; do
+      step "ncu_ours_$e" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}ELi4EE" \
+        -o "$out/ncu_ours_$e" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,4096,4096,7168
+      ncu_export "ncu_ours_$e"
+    done
+  fi
+  finish
+fi
+# peer-ab: the GEMM tests, then EPMOE_PEER_ROUNDS rounds (default 3) of DeepGEMM's grouped FP8
+# GEMM, this build's and an older build's (tools/stage_ab.sh) FP8 GEMMs at the same shapes,
+# alternating, then (EPMOE_PEER_NCU=1, default) ncu of this build's FP8 L2 and L1 kernels.
+if [ "$mode" = peer-ab ]; then
+  peer_setup || { summary+=("peer_setup: FAILED"); finish; }
+  step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
+  shapes=${EPMOE_PEER_SHAPES:-8,4096,4096,7168 8,4096,7168,2048 32,1024,4096,7168 32,1024,7168,2048}
+  shape_args=(); for sh in $shapes; do shape_args+=(--shape "$sh"); done
+  for round in $(seq 1 "${EPMOE_PEER_ROUNDS:-3}"); do
+    # shellcheck disable=SC2086
+    step "deepgemm_fp8_$round" 300 python3 .gpu/peers/deepgemm_gemm.py $shapes
+    step "new_gemm_fp8_$round" 200 "$bin/epmoe-bench" gemm --dtype fp8 "${shape_args[@]}"
+    [ -x "$bin/epmoe-bench-old" ] && step "old_gemm_fp8_$round" 200 "$bin/epmoe-bench-old" gemm --dtype fp8 "${shape_args[@]}"
+  done
+  if [ "${EPMOE_PEER_NCU:-1}" = 1 ]; then
+    prof=(--clock-control none --kernel-name-base mangled -c 1 --launch-skip 3 --section SpeedOfLight
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats
+          --section SchedulerStats --section SourceCounters --import-source no)
     for e in E1 E3; do
       step "ncu_ours_$e" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}ELi4EE" \
         -o "$out/ncu_ours_$e" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,4096,4096,7168

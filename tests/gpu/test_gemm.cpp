@@ -357,6 +357,22 @@ TEST(GemmL2Shapes, Fp8EdgeShapes) {
     }
 }
 
+// The FP8 K loop has two forms: whole rings of 4 stages per tile (K / 128 a multiple of 4, each
+// tile starting at stage 0) and the general one. K = 512 (one ring: the first ring is the last),
+// 1536 (three) and 896 (seven K blocks, general), both GEMMs, random and exact operands; full tiles
+// (the deferred epilogue keeps the last stage), partial ones, and tiles of <= 64 rows (one math
+// warpgroup idle).
+TEST(GemmFp8KLoop, WholeRingsAndGeneral) {
+  EPMOE_REQUIRE_GPUS(1);
+  for (int k : {512, 1536, 896})
+    for (bool l1 : {false, true})
+      for (bool exact : {false, true}) {
+        Case c{DType::kFP8, l1, {256, 1, 129, 64, 0, 383}, l1 ? k : 384, l1 ? 256 : k};
+        c.exact = exact;
+        run_case(c, fresh_seed());
+      }
+}
+
 TEST(GemmL1Epilogue, Fp8ExactClampPow2) {
   EPMOE_REQUIRE_GPUS(1);
   for (bool pow2 : {false, true})

@@ -10,12 +10,16 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/gemm/sm90_smem_desc.cuh"
 #include "device/gemm/sm90_smem_layout.cuh"
 #include "device/pipeline/sm90_tma_pipeline.cuh"
 #include "device/ptx/ld_st.cuh"
+#include "device/ptx/math.cuh"
+#include "device/ptx/warp.cuh"
 #include "device/ptx/wgmma.cuh"
 
 namespace epmoe::gemm {
@@ -28,6 +32,50 @@ struct Sm90Fp8Mainloop {
   static_assert(kBlockN == 2 * kHalfN && kHalfN == kScaleBlock, "each N half has exactly one weight scale block");
   using Pipe = pipeline::TmaPipeline<kStages>;
   using State = pipeline::PipelineState<kStages>;
+
+  // The math of one K block whose stage has landed: two N halves of four wgmma each, each promoted
+  // into acc with its scales (activation sa_lo / sa_hi for this thread's two rows, weight sb0 /
+  // sb1 for the two halves). release() hands the stage back.
+  template <class Release>
+  __device__ __forceinline__ static void block_math(float (&acc)[128], float (&tmp)[64], uint32_t a_lo, uint32_t b_lo,
+                                                    float sa_lo, float sa_hi, float sb0, float sb1,
+                                                    const Release& release) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t bh_lo = b_lo + uint32_t(h) * ((kHalfN * Layout::kRowBytes) >> 4);
+      ptx::fence_operands(tmp);
+      ptx::wgmma_fence_sync_aligned();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
+        ptx::wgmma_m64n128k32_f32_e4m3_e4m3(tmp, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
+                                            smem_desc_from_lo(bh_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
+      ptx::wgmma_commit_group_sync_aligned();
+      ptx::wgmma_wait_group_sync_aligned<0>();
+      ptx::fence_operands(tmp);
+      // The scales are in registers and the tensor cores are done with the stage: hand it back
+      // before the last promotion so the producer refills it sooner. One lane arrives for the
+      // warp after a __syncwarp, which orders every lane's scale loads from the stage before the
+      // arrival. compute-sanitizer racecheck still reports the refill's bulk copy against these
+      // loads (it does not count the warp barrier; with one arrival per lane it reports none).
+      if (h == 1) release();
+
+      const float sb = h == 0 ? sb0 : sb1;
+      const float s0 = sa_lo * sb;
+      const float s1 = sa_hi * sb;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        acc[64 * h + 4 * i + 0] += tmp[4 * i + 0] * s0;
+        acc[64 * h + 4 * i + 1] += tmp[4 * i + 1] * s0;
+        acc[64 * h + 4 * i + 2] += tmp[4 * i + 2] * s1;
+        acc[64 * h + 4 * i + 3] += tmp[4 * i + 3] * s1;
+      }
+    }
+  }
+  // f(std::integral_constant<uint32_t, s>{}) for s = 0, 1, ..., in order.
+  template <class F, uint32_t... kS>
+  __device__ __forceinline__ static void stage_each(const F& f, std::integer_sequence<uint32_t, kS...>) {
+    (f(std::integral_constant<uint32_t, kS>{}), ...);
+  }
 
   // idle: none of this warpgroup's 64 rows is valid (a tile of <= 64 tokens, common in decode):
   // take and release every stage without issuing wgmma, which leaves the tensor pipe to the
@@ -111,40 +159,12 @@ struct Sm90Fp8Mainloop {
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
       const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
       const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t bh_lo = b_lo + uint32_t(h) * ((kHalfN * Layout::kRowBytes) >> 4);
-        ptx::fence_operands(tmp);
-        ptx::wgmma_fence_sync_aligned();
-#pragma unroll
-        for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-          ptx::wgmma_m64n128k32_f32_e4m3_e4m3(tmp, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
-                                              smem_desc_from_lo(bh_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
-        ptx::wgmma_commit_group_sync_aligned();
-        ptx::wgmma_wait_group_sync_aligned<0>();
-        ptx::fence_operands(tmp);
-        // The scales are in registers and the tensor cores are done with the stage: hand it
-        // back before the last promotion so the producer refills it sooner. Why __syncwarp: lane
-        // 0 arrives for the whole warp, so every lane's scale loads from the stage must be ordered
-        // before its arrival. compute-sanitizer racecheck still reports the refill's bulk copy
-        // against these loads (it does not count the warp barrier; with one arrival per lane it
-        // reports none).
-        if (h == 1) {
-          __syncwarp();
-          if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
-        }
-
-        const float sb = h == 0 ? cur0 : cur1;
-        const float s0 = sa_lo * sb;
-        const float s1 = sa_hi * sb;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          acc[64 * h + 4 * i + 0] += tmp[4 * i + 0] * s0;
-          acc[64 * h + 4 * i + 1] += tmp[4 * i + 1] * s0;
-          acc[64 * h + 4 * i + 2] += tmp[4 * i + 2] * s1;
-          acc[64 * h + 4 * i + 3] += tmp[4 * i + 3] * s1;
-        }
-      }
+      block_math(acc, tmp, a_lo, b_lo, sa_lo, sa_hi, cur0, cur1, [&] {
+        // Why __syncwarp: lane 0 arrives for the whole warp, so every lane's scale loads from the
+        // stage must be ordered before its arrival (see block_math).
+        __syncwarp();
+        if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
+      });
       ++st;
     };
     float sa0_w = kPairK && num_k_blocks > 0 ? ptx::ld_nc_f32(sp0) : 0.0f;
@@ -165,6 +185,88 @@ struct Sm90Fp8Mainloop {
       for (int kb = 0; kb < failed_kb; ++kb) ++st;
       return false;
     }
+    return true;
+  }
+
+  // run for the standalone kernels when every tile's K blocks fill whole rings (num_k_blocks a
+  // multiple of kStages, e.g. K = 2048 and 7168): each tile then starts at stage 0, and the loop
+  // runs one ring per trip with every stage index a compile-time constant, so the barrier, tile
+  // and scale addresses are constant offsets from one base and the parity flips once per trip.
+  // Why: the per-K-block stage arithmetic (the broadcast stage index, the address products, the
+  // wrap test, the lane test rebuilt from the thread index at the loop head) cost ~25 SASS
+  // instructions per K block on the path between two wgmma batches. Same operations, same order,
+  // same results as run<kKeepLast, true>.
+  template <bool kKeepLast>
+  __device__ static bool run_rings(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
+                                   const float* const (&b_scale)[2], int wg, bool idle) {
+    static_assert(kStages % 2 == 0, "the weight scales alternate between two register pairs");
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    if (idle) return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
+    const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;
+    const uint32_t smem_s = __shfl_sync(0xffffffffu, dyn_smem_base_s(), 0);
+    wg = __shfl_sync(0xffffffffu, wg, 0);
+    const uint32_t bars_s = smem_s + Layout::kBarOffset;
+    const uint32_t a_lo0 =
+        smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
+    const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
+    const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
+    const float* sp0 = b_scale[0];
+    const float* sp1 = b_scale[1] != nullptr ? b_scale[1] : b_scale[0];
+    float tmp[64];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+
+    // failed: 0, or 1 + the K block whose wait expired first (see run for why it is carried).
+    uint32_t failed = 0;
+    uint32_t phase = st.phase;
+    // The weight scales of even K blocks in (e0, e1), of odd ones in (o0, o1); each K block loads
+    // the next one's (as run<., true> does).
+    float e0 = ptx::ld_nc_f32(sp0), e1 = ptx::ld_nc_f32(sp1), o0 = 0.0f, o1 = 0.0f;
+    // q0, q1: this ring's weight scales (each stage reads them at constant offsets).
+    const float* q0 = sp0;
+    const float* q1 = sp1;
+    for (int kb = 0; kb < num_k_blocks; kb += kStages, q0 += kStages, q1 += kStages) {
+      const bool last_ring = kb + kStages >= num_k_blocks;
+      // Why opaque, then a broadcast, once per ring: with the stage constant, the 32 descriptors
+      // of a ring are loop invariants, and ptxas hoisted them out of the loop into ordinary
+      // registers, which spilled the accumulators. Made opaque here, they are rebuilt each ring
+      // from one value; the broadcast from lane 0 keeps them in uniform registers.
+      uint32_t a_lo = a_lo0, b_lo = b_lo0;
+      ptx::opaque(a_lo);
+      ptx::opaque(b_lo);
+      a_lo = __shfl_sync(0xffffffffu, a_lo, 0);
+      b_lo = __shfl_sync(0xffffffffu, b_lo, 0);
+      const auto stage = [&](auto s_const) {
+        constexpr uint32_t s = decltype(s_const)::value;
+        failed = Pipe::template consumer_wait_flag_at<s>(bars_s, phase, failed, uint32_t(kb) + s + 1u);
+        float& n0 = s % 2 == 0 ? o0 : e0;
+        float& n1 = s % 2 == 0 ? o1 : e1;
+        const float c0 = s % 2 == 0 ? e0 : o0;
+        const float c1 = s % 2 == 0 ? e1 : o1;
+        if (s + 1 < uint32_t(kStages) || !last_ring) {  // the tile's last K block has no next
+          n0 = ptx::ld_nc_f32(q0 + s + 1);
+          n1 = ptx::ld_nc_f32(q1 + s + 1);
+        }
+        const float sa_lo = ptx::ld_shared_f32(sa0 + s * Layout::kScaleA);
+        const float sa_hi = ptx::ld_shared_f32(sa0 + s * Layout::kScaleA + 32u);
+        block_math(acc, tmp, a_lo + s * (Layout::kTileA >> 4), b_lo + s * (Layout::kTileB >> 4), sa_lo, sa_hi, c0,
+                   c1, [&] {
+                     __syncwarp();
+                     const bool keep = kKeepLast && s + 1 == uint32_t(kStages) && last_ring;
+                     if (!keep && ptx::elect_one_sync()) Pipe::template consumer_release_at<s>(bars_s);
+                   });
+      };
+      stage_each(stage, std::make_integer_sequence<uint32_t, kStages>{});
+      phase ^= 1u;
+    }
+    // The tile used whole rings: the index is back at 0 (st.index == 0 on entry) and the parity
+    // flipped once per ring.
+    if (failed) {
+      for (uint32_t kb = 0; kb + 1 < failed; ++kb) ++st;
+      return false;
+    }
+    st.phase = phase;
     return true;
   }
 

@@ -152,6 +152,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   using Mainloop = typename Cfg::Mainloop;
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
+  const bool rings = num_k_blocks % Cfg::kStages == 0;
   typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
   scheduler::GemmTile tile;
   float acc[128];
@@ -211,9 +212,20 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // rows past an expert's count must stay untouched; an expert's last, partial m-block takes the
     // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
     const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
-    const bool ok = deferred
-                        ? Mainloop::template run<Cfg::kDeferredStore, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                        : Mainloop::template run<false, kPairK>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+    bool ok;
+    if constexpr (kPairK) {
+      // Whole rings per tile (see Sm90Fp8Mainloop::run_rings): every tile of this GEMM has the same
+      // K, so each one starts at stage 0.
+      if (rings)
+        ok = deferred ? Mainloop::template run_rings<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                      : Mainloop::template run_rings<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+      else
+        ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                      : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+    } else {
+      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
+                    : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+    }
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {

@@ -85,6 +85,20 @@ struct TmaPipeline {
   __device__ __forceinline__ uint32_t consumer_wait_flag(uint32_t bars_s, const State& st, uint32_t failed) const {
     return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + st.index * 8u, st.phase, kWaitTimeoutNs, failed);
   }
+  // The same two with the stage known at compile time (the FP8 K loop over whole rings): the
+  // barrier addresses are constant offsets from bars_s. `mark` (nonzero) is what a wait that
+  // expires returns.
+  template <uint32_t kStage>
+  __device__ __forceinline__ static uint32_t consumer_wait_flag_at(uint32_t bars_s, uint32_t phase, uint32_t failed,
+                                                                   uint32_t mark) {
+    static_assert(kStage < uint32_t(kStages), "stage index within the ring");
+    return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + kStage * 8u, phase, kWaitTimeoutNs, failed, mark);
+  }
+  template <uint32_t kStage>
+  __device__ __forceinline__ static void consumer_release_at(uint32_t bars_s) {
+    static_assert(kStage < uint32_t(kStages), "stage index within the ring");
+    ptx::mbarrier_arrive_release_cta_s(bars_s + (uint32_t(kStages) + kStage) * 8u);
+  }
   __device__ __forceinline__ void consumer_release(uint32_t bars_s, const State& st) const {
     ptx::mbarrier_arrive_release_cta_s(bars_s + uint32_t(kStages) * 8u + st.index * 8u);
   }

@@ -30,5 +30,6 @@ __device__ __forceinline__ uint32_t add_u32_volatile(uint32_t x, uint32_t y) {
 // Makes x opaque to the optimiser (no instruction): values derived from it are not treated as
 // loop invariants.
 __device__ __forceinline__ void opaque(int& x) { asm volatile("" : "+r"(x)); }
+__device__ __forceinline__ void opaque(uint32_t& x) { asm volatile("" : "+r"(x)); }
 
 }  // namespace epmoe::ptx

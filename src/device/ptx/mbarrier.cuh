@@ -75,13 +75,15 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_suspend_s(uint32_t bar,
 }
 
 // Waits for one phase of the barrier at shared-window address `bar`, for at most `limit_ns`, the
-// whole loop in one asm block. Returns `failed` | 1 when the limit passed; with `failed` != 0 on
-// entry it returns at once without waiting (a loop that already timed out skips its later waits).
+// whole loop in one asm block. Returns `mark` (nonzero) when the limit passed, else `failed`; with
+// `failed` != 0 on entry it returns at once without waiting (a loop that already timed out skips
+// its later waits, and `failed` keeps the mark of the first wait that expired).
 // Why one asm block: its branches are invisible to the compiler, so a K loop that waits through it
 // has no data-dependent exit and stays convergent: no divergence bookkeeping (BSSY/BSYNC,
 // BRA.DIV, a vote) on the path between two wgmma batches.
 __device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_s(uint32_t bar, uint32_t parity,
-                                                                              uint64_t limit_ns, uint32_t failed) {
+                                                                              uint64_t limit_ns, uint32_t failed,
+                                                                              uint32_t mark = 1) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -98,11 +100,11 @@ __device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_s(u
       "sub.u64 t1, t1, t0;\n"
       "setp.lt.u64 p, t1, %3;\n"
       "@p bra WAIT;\n"
-      "mov.u32 %0, 1;\n"
+      "mov.u32 %0, %4;\n"
       "DONE:\n"
       "}\n"
       : "+r"(failed)
-      : "r"(bar), "r"(parity), "l"(limit_ns)
+      : "r"(bar), "r"(parity), "l"(limit_ns), "r"(mark)
       : "memory");
   return failed;
 }
