@@ -39,10 +39,10 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 import torch  # noqa: E402  (before epmoe's library: it must load its own libnccl first)
 
 try:
-    import epmoe  # noqa: F401
+    import epmoe
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import epmoe  # noqa: E402
+    import epmoe
 import epmoe.torch as et  # noqa: E402
 
 TARGET_US = 15.0
