@@ -226,8 +226,13 @@ def _plain_eager(x: Any) -> bool:
     without the dispatcher's round trip into Python (2-5 us per call); otherwise the operator."""
     # Why this order: dynamo folds is_compiling() to True and never traces the private calls.
     return (not torch.compiler.is_compiling() and type(x) is torch.Tensor
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._len_torch_function_stack())
+            and not _dispatch_modes() and not _function_modes())
+
+
+# Private counters of torch's mode stacks (C calls of ~0.1 us); without them every call takes the
+# operator.
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_function_modes = getattr(torch._C, "_len_torch_function_stack", lambda: 1)
 
 
 def idx_to_int32(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
