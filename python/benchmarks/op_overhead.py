@@ -10,8 +10,10 @@ is printed. The rows split a call of the operator into its parts:
 
   torch.empty            torch's allocation of a [T, H] bf16 tensor: the floor of any op that
                          returns a new tensor
-  noop op               an operator registered the same way (torch.library define/impl, Python
+  noop op                an operator registered the same way (torch.library define/impl, Python
                          kernel) whose body is one new_empty: torch's dispatcher + Python kernel
+  noop custom_op         the same body as a torch.library.custom_op (what epmoe does not use:
+                         its Python wrappers cost more per eager call)
   C forward only         epmoe_layer_forward through the cached ctypes function, pointers ready:
                          the library's own host time (its kernel launches)
   epmoe op (int32)       torch.ops.epmoe.moe_forward: all of the above plus the argument checks
@@ -52,6 +54,12 @@ _bench_lib.define("noop(Tensor x, Tensor topk_idx, Tensor topk_weights, int laye
 
 
 def _noop(x, topk_idx, topk_weights, layer, path="pipeline"):
+    return x.new_empty((x.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("epmoe_bench::noop_custom_op", mutates_args=())
+def _noop_custom_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    layer: int, path: str = "pipeline") -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
@@ -99,9 +107,11 @@ def run_cpu(args) -> int:
     idx = torch.randint(0, args.experts, (t, k), dtype=torch.int32)
     idx64, w = idx.long(), torch.rand(t, k)
     op, noop = torch.ops.epmoe.moe_forward.default, torch.ops.epmoe_bench.noop.default
+    custom = torch.ops.epmoe_bench.noop_custom_op.default
     rows_fns = [
         ("torch.empty", lambda: torch.empty((t, h), dtype=torch.bfloat16)),
         ("noop op", lambda: noop(x, idx, w, key)),
+        ("noop custom_op", lambda: custom(x, idx, w, key)),
         ("epmoe op, C call stubbed", lambda: op(x, idx, w, key)),
         ("  its Python kernel alone", lambda: et._moe_forward_cuda(x, idx, w, key)),
         ("moe_forward(), C stubbed", lambda: et.moe_forward(x, idx, w, key)),
@@ -153,6 +163,7 @@ def run_gpu(args) -> int:
     out = torch.empty_like(x)
     key = moe.layer_key
     op, noop = torch.ops.epmoe.moe_forward.default, torch.ops.epmoe_bench.noop.default
+    custom = torch.ops.epmoe_bench.noop_custom_op.default
     _bench_lib.impl("noop", _noop, "CUDA")
     bound = et._registry[key]
     handle, c_forward = moe.layer._handle, bound.c_forward
@@ -166,6 +177,7 @@ def run_gpu(args) -> int:
     rows_fns = [
         ("torch.empty", lambda: torch.empty((t, h), dtype=torch.bfloat16, device=dev)),
         ("noop op", lambda: noop(x, idx, w, key)),
+        ("noop custom_op", lambda: custom(x, idx, w, key)),
         ("C forward only", lambda: c_forward(handle, *ptrs, t, raw(local), 0)),
         ("epmoe op (int32)", lambda: op(x, idx, w, key)),
         ("MoE module (int32)", lambda: moe(x, idx, w)),

@@ -46,8 +46,8 @@ class _Bound:
         self.device_index = layer.device
         self.hidden, self.topk, self.num_experts = c.hidden, c.topk, c.num_experts
         self.t_max = c.max_tokens_per_rank
-        # Why a cached ctypes function: looking it up by name per call (as _lib.call does) and
-        # DLPack capsules for the four tensors were most of the 30-60 us of Layer.__call__.
+        # Why cached here: Layer.__call__ reads each tensor through a DLPack capsule and looks the
+        # C function up by name on every call; a torch tensor gives its pointer directly.
         self.c_forward = _lib.lib().epmoe_layer_forward
         self.raw_stream = _raw_stream
 
@@ -166,7 +166,8 @@ def _bound(key: Any) -> _Bound:
 # ---- the operator --------------------------------------------------------------------------------
 
 # Why define/impl rather than torch.library.custom_op: custom_op routes every eager call through
-# its Python autograd and dispatch wrappers, about 8 us more per call (python/benchmarks).
+# its Python autograd and dispatch wrappers, several microseconds more per call (the "noop
+# custom_op" row of python/benchmarks/op_overhead.py).
 _library = torch.library.Library("epmoe", "DEF")
 _library.define("moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, "
                 "str path='pipeline') -> Tensor")
