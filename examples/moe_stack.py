@@ -30,7 +30,7 @@ import epmoe.torch as et  # noqa: E402
 MIB = 1 << 20
 
 
-# ---- weights ----------------------------------------------------------------------------------------
+# ---- weights -------------------------------------------------------------------------------------
 
 def fp8_block_quantize(w):
     """[E, rows, cols] fp32 -> (e4m3 [E, rows, cols], fp32 scales [E, rows/128, cols/128],
@@ -56,7 +56,7 @@ def make_experts(args, world, gen, device):
     return (w1, None, w2, None), (w1.float(), w2.float())
 
 
-# ---- the model --------------------------------------------------------------------------------------
+# ---- the model -----------------------------------------------------------------------------------
 
 class Block(torch.nn.Module):
     """h + experts(h), routed by a linear router on torch."""
@@ -91,7 +91,7 @@ class Stack(torch.nn.Module):
         return h
 
 
-# ---- the plain PyTorch implementation of SPEC.md -----------------------------------------------------
+# ---- the plain PyTorch implementation of SPEC.md -------------------------------------------------
 
 def quant_dequant_1x128(v):
     """SPEC steps 1 and 5 on fp32 `v` [n, C]: per 128 channels s = max(amax, 1e-4) / 448 (a true
@@ -128,7 +128,7 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-# ---- timing -----------------------------------------------------------------------------------------
+# ---- timing --------------------------------------------------------------------------------------
 
 def time_per_block(fn, args, device):
     """Microseconds per block of fn() (the whole stack), GPU time between CUDA events, the
@@ -157,7 +157,7 @@ def epmoe_bytes(free_before, reserved_before, device):
     return free_before - free_now - torch_growth
 
 
-# ---- one run ----------------------------------------------------------------------------------------
+# ---- one run -------------------------------------------------------------------------------------
 
 def run(args, rank, world, device):
     say = print if rank == 0 else (lambda *a, **k: None)

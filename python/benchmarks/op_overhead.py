@@ -144,7 +144,8 @@ def run_gpu(args) -> int:
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
     e = args.experts * world if args.experts_per_rank else args.experts
-    moe = et.MoE(e, args.hidden, args.intermediate, args.topk, max(args.tokens, 1), args.dtype)
+    moe = et.MoE(e, args.hidden, args.intermediate, args.topk, max(args.tokens, 1), args.dtype,
+                 path=args.path)
     shapes = moe.config.weight_shapes()
     gen = torch.Generator(device=dev).manual_seed(rank)
     if args.dtype == "fp8":
@@ -169,6 +170,7 @@ def run_gpu(args) -> int:
     handle, c_forward = moe.layer._handle, bound.c_forward
     ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
     raw = torch._C._cuda_getCurrentRawStream
+    path_code = et._PATHS[args.path]
 
     def sync():
         torch.cuda.synchronize()
@@ -178,11 +180,11 @@ def run_gpu(args) -> int:
         ("torch.empty", lambda: torch.empty((t, h), dtype=torch.bfloat16, device=dev)),
         ("noop op", lambda: noop(x, idx, w, key)),
         ("noop custom_op", lambda: custom(x, idx, w, key)),
-        ("C forward only", lambda: c_forward(handle, *ptrs, t, raw(local), 0)),
-        ("epmoe op (int32)", lambda: op(x, idx, w, key)),
+        ("C forward only", lambda: c_forward(handle, *ptrs, t, raw(local), path_code)),
+        ("epmoe op (int32)", lambda: op(x, idx, w, key, args.path)),
         ("MoE module (int32)", lambda: moe(x, idx, w)),
         ("MoE module (int64)", lambda: moe(x, idx64, w)),
-        ("epmoe.Layer(out=)", lambda: moe.layer(x, idx, w, out=out)),
+        ("epmoe.Layer(out=)", lambda: moe.layer(x, idx, w, out=out, path=args.path)),
     ]
     rows = []
     with torch.inference_mode():
@@ -190,8 +192,8 @@ def run_gpu(args) -> int:
             rows.append((name, time_calls(fn, args.calls, args.repeats, sync)))
     moe.check_device_error()
     report(rows, f"host time per eager call, {torch.cuda.get_device_name(dev)}, R={world}, "
-                 f"{args.dtype}, T={t}, E={e}, H={h}, I={args.intermediate}, K={k}, torch "
-                 f"{torch.__version__}", rank)
+                 f"{args.dtype}, path={args.path}, T={t}, E={e}, H={h}, I={args.intermediate}, "
+                 f"K={k}, torch {torch.__version__}", rank)
     op_us = dict(rows)["epmoe op (int32)"]
     if rank == 0:
         verdict = "meets" if op_us <= TARGET_US else "misses"
@@ -216,6 +218,8 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16, help="tokens per rank")
+    ap.add_argument("--path", choices=["pipeline", "fused"], default="pipeline",
+                    help="pipeline: four kernel launches per call; fused: one")
     args = ap.parse_args()
     if args.cpu:
         return run_cpu(args)

@@ -88,7 +88,7 @@ def test_no_cpu_kernel():
         torch.ops.epmoe.moe_forward(x, idx, w, 1)
 
 
-# ---- the eager implementation (the fast path) -----------------------------------------------------
+# ---- the eager implementation (the fast path) ----------------------------------------------------
 
 def test_forward_reaches_the_library(bound):
     x, idx, w = inputs(t=4)
@@ -196,7 +196,7 @@ def test_register_layer_arguments():
         et.registered_layer(a)
 
 
-# ---- torch.compile: one graph, the operator in it --------------------------------------------------
+# ---- torch.compile: one graph, the operator in it ------------------------------------------------
 
 def compile_graphs(fn, *args):
     """Compiles fn with fullgraph=True and a backend that records the FX graph and returns
