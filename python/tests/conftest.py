@@ -4,6 +4,14 @@ import ctypes
 
 import pytest
 
+# Why torch first, when it is installed: it must load its own libnccl before libepmoe_c.so does.
+# Where the system's libnccl differs from torch's (this CPU machine), the other order makes
+# `import torch` fail, and the torch tests would skip as if torch were missing.
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
 from epmoe import _dlpack
 
 _new_capsule = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,

@@ -2,6 +2,7 @@
 # Runs the GPU test of the Python binding (gpu_test_layer.py) with a prebuilt libepmoe_c.so and no
 # install: the package comes from python/, the library from $EPMOE_LIBRARY or the first argument.
 # Usage (repository root): bash python/tests/gpu_run.sh [path/to/libepmoe_c.so | --wheel W.whl] [nproc]
+# EPMOE_GPU_TEST=python/tests/gpu_test_torch.py runs that script instead (the torch.library operator).
 # Each rank ends itself with status 1 after $EPMOE_TEST_TIMEOUT seconds (default 180); the whole
 # run is killed 60 s after that in any case.
 set -uo pipefail
@@ -31,10 +32,11 @@ good_nccl=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 [ -d "$good_nccl" ] && export LD_LIBRARY_PATH=$good_nccl:${LD_LIBRARY_PATH:-}
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 nproc=${1:-2}
+test=${EPMOE_GPU_TEST:-python/tests/gpu_test_layer.py}
 export EPMOE_TEST_TIMEOUT=${EPMOE_TEST_TIMEOUT:-180}
 outer=$(( ${EPMOE_TEST_TIMEOUT%.*} + 60 ))
 if [ "$gpus" -lt "$nproc" ]; then
-  exec timeout -k 15 "$outer" python3 python/tests/gpu_test_layer.py --nproc "$nproc"  # SKIPPED
+  exec timeout -k 15 "$outer" python3 "$test" --nproc "$nproc"  # SKIPPED
 fi
 exec timeout -k 15 "$outer" python3 -m torch.distributed.run --standalone \
-  --nproc-per-node "$nproc" python/tests/gpu_test_layer.py
+  --nproc-per-node "$nproc" "$test"

@@ -1,0 +1,309 @@
+"""GPU test of epmoe.torch: the operator and the MoE module in eager mode, under
+torch.compile(fullgraph=True) and in CUDA graphs, on 2 or 4 GPUs of one node.
+
+    torchrun --nproc-per-node 2 python/tests/gpu_test_torch.py
+    python python/tests/gpu_test_torch.py [--nproc 4]       # spawns the ranks itself
+
+Checks, for an FP8 and a BF16 layer: eager output against the CPU float64 reference of SPEC.md
+(gpu_test_layer.reference; SPEC's tolerances), and bitwise equality of every other way to make
+the same call: int64 against int32 topk_idx, the operator through torch's dispatcher against the
+module's direct eager path, torch.compile(fullgraph=True) (also at a second T, and with T = 0 on
+one rank), compile mode="reduce-overhead" (inductor's CUDA graphs), and a captured CUDA graph
+replayed on new inputs (int32 and int64). Then a two-block stack with a torch router (linear,
+softmax, topk) eager vs compiled vs graph-replayed, compile-time and eager argument errors, and
+an out-of-range int64 index reported by the device. Prints SKIPPED and exits 0 without torch or
+with fewer GPUs than ranks. Never hangs (see gpu_test_layer.py: abort on any exception, watchdog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_test_layer as base  # noqa: E402  (sets the NVLS-off environment, finds epmoe)
+
+
+def bitwise(a, b) -> bool:
+    import torch
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16),
+                                                                    b.view(torch.int16))
+
+
+def build(cfg, rank, world, device):
+    """A MoE with this rank's slice of weights that every rank draws alike, plus the float64
+    weights of all experts for the reference."""
+    import torch
+    import epmoe.torch as et
+    (w1, w1s, w2, w2s), (w1d, w2d) = base.make_weights(cfg, torch.Generator().manual_seed(1234),
+                                                       device)
+    e_loc = cfg["num_experts"] // world
+    lo, hi = rank * e_loc, (rank + 1) * e_loc
+    moe = et.MoE(cfg["num_experts"], cfg["hidden"], cfg["intermediate"], cfg["topk"],
+                 cfg["max_tokens_per_rank"], cfg["dtype"],
+                 activation_clamp=cfg.get("activation_clamp"))
+    sl = lambda w: None if w is None else w[lo:hi].contiguous()  # noqa: E731
+    moe.load_weights(sl(w1), sl(w1s), sl(w2), sl(w2s))
+    return moe, w1d, w2d
+
+
+def check_moe(res, cfg, rank, world, device):
+    import torch
+    import epmoe.torch as et
+    tol = 1e-2 if cfg["dtype"] == "fp8" else 5e-3
+    tag = f"{cfg['dtype']} E={cfg['num_experts']} H={cfg['hidden']} K={cfg['topk']}"
+    moe, w1d, w2d = build(cfg, rank, world, device)
+    gen = torch.Generator().manual_seed(100 + rank)
+    t = cfg["max_tokens_per_rank"] - 7 * rank
+    x, idx, wts = base.make_inputs(cfg, t, gen, device)
+    idx64 = idx.long()
+
+    # Eager, against SPEC's reference.
+    y = moe(x, idx, wts)
+    torch.cuda.synchronize()
+    err = base.rel_err(y, base.reference(cfg, x, idx, wts, w1d, w2d))
+    finite = bool(torch.isfinite(y.float()).all())
+    res.record(f"{tag} eager vs reference T={t}", finite and err <= tol, f"rel_err={err:.2e}")
+
+    res.record(f"{tag} int64 topk_idx == int32 (bitwise)", bitwise(moe(x, idx64, wts), y))
+    res.record(f"{tag} torch.ops.epmoe.moe_forward == module (bitwise)",
+               bitwise(torch.ops.epmoe.moe_forward(x, idx, wts, moe.layer_key), y))
+    res.record(f"{tag} et.moe_forward(key, int64) == module (bitwise)",
+               bitwise(et.moe_forward(x, idx64, wts, moe.layer_key), y))
+
+    # torch.compile(fullgraph=True): the same call, then another T, then T = 0 on the last rank.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: moe(a, b, c), fullgraph=True)
+    res.record(f"{tag} compiled(fullgraph) int64 == eager (bitwise)",
+               bitwise(compiled(x, idx64, wts), y))
+    res.record(f"{tag} compiled(fullgraph) int32 == eager (bitwise)",
+               bitwise(compiled(x, idx, wts), y))
+    for t2 in (t // 2 + 1, 0 if rank == world - 1 else 5):
+        x2, idx2, w2 = base.make_inputs(cfg, t2, gen, device)
+        want = moe(x2, idx2, w2)
+        got = compiled(x2, idx2.long(), w2)
+        res.record(f"{tag} compiled at T={t2} == eager (bitwise)", bitwise(got, want))
+
+    # Inductor's CUDA graphs (mode="reduce-overhead"): a few calls, then compare.
+    torch._dynamo.reset()
+    ro = torch.compile(lambda a, b, c: moe(a, b, c), fullgraph=True, mode="reduce-overhead")
+    got = None
+    for _ in range(3):
+        got = ro(x, idx64, wts).clone()
+    res.record(f"{tag} compiled reduce-overhead == eager (bitwise)", bitwise(got, y))
+
+    # A captured CUDA graph replayed on new inputs in the same buffers (int32 and int64 paths).
+    for name, index in (("int32", idx), ("int64", idx64)):
+        sx, si, sw = x.clone(), index.clone(), wts.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            moe(sx, si, sw)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sy = moe(sx, si, sw)
+        ok = True
+        for _ in range(2):
+            nx, nidx, nw = base.make_inputs(cfg, t, gen, device)
+            sx.copy_(nx), si.copy_(nidx.to(si.dtype)), sw.copy_(nw)
+            sy.fill_(float("nan"))
+            graph.replay()
+            ok &= bitwise(sy, moe(nx, nidx, nw))
+        torch.cuda.synchronize()
+        res.record(f"{tag} CUDA graph replay x2 ({name}) == eager (bitwise)", ok)
+        del graph
+
+    # Argument errors: eager (before anything launches) and at compile time.
+    for name, call, message in [
+        ("eager float32 x", lambda: moe(x.float(), idx, wts), "x must be bfloat16; got float32"),
+        ("eager wrong K", lambda: moe(x, idx[:, :1].contiguous(), wts),
+         f"topk_idx must have shape ({t}, {cfg['topk']})"),
+        ("eager host x", lambda: moe(x.cpu(), idx, wts), "x is on cpu but this epmoe layer"),
+        ("compiled float32 x", lambda: torch.compile(lambda a, b, c: moe(a.float(), b, c),
+                                                     fullgraph=True)(x, idx, wts),
+         "x must be bfloat16; got float32"),
+    ]:
+        try:
+            call()
+            res.record(f"{tag} error: {name}", False, "no exception")
+        except Exception as e:  # under compile it arrives wrapped by dynamo
+            res.record(f"{tag} error: {name}", message in str(e), f"-> {str(e).splitlines()[0]}")
+    base.agree(True)
+    return moe
+
+
+def check_device_error(res, moe, cfg, rank, device):
+    """An int64 index beyond int32 on rank 0 saturates and is reported by the device."""
+    import torch
+    import epmoe
+    x, idx, wts = base.make_inputs(cfg, 4, torch.Generator().manual_seed(9), device)
+    idx = idx.long()
+    if rank == 0:
+        idx[1, 0] = 2**33 + 1  # int32 wrap-around would make this expert 1
+    moe(x, idx, wts)
+    try:
+        moe.check_device_error()
+        raised = None
+    except epmoe.Error as e:
+        raised = e
+    if rank == 0:
+        res.record("int64 index 2**33+1 reported by the device", raised is not None,
+                   f"-> {type(raised).__name__}: {raised}" if raised else "no exception")
+    base.agree(True)
+
+
+def check_stack(res, rank, world, device):
+    """Two blocks: x + MoE(x) with a torch router; eager, compiled and graph-replayed."""
+    import torch
+    cfg = dict(dtype="fp8", num_experts=4 * world, hidden=512, intermediate=256, topk=4,
+               max_tokens_per_rank=64)
+    blocks = [build(cfg, rank, world, device)[0] for _ in range(2)]
+    g = torch.Generator(device=device).manual_seed(5)
+    routers = [torch.randn(cfg["hidden"], cfg["num_experts"], device=device, generator=g) * 0.05
+               for _ in blocks]
+
+    def stack(h):
+        for moe, r in zip(blocks, routers):
+            w, i = (h.float() @ r).softmax(dim=-1).topk(cfg["topk"], dim=-1)
+            h = h + moe(h, i, w)
+        return h
+
+    x = torch.randn(48 + rank, cfg["hidden"], device=device, generator=g).bfloat16()
+    eager = stack(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(stack, fullgraph=True)(x)
+    err = base.rel_err(compiled, eager)
+    res.record("stack x2 compiled vs eager", err <= 1e-2,
+               f"rel_err={err:.2e} bitwise={bitwise(compiled, eager)}")
+    sx = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stack(sx)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sy = stack(sx)
+    graph.replay()
+    torch.cuda.synchronize()
+    res.record("stack x2 graph replay == eager (bitwise)", bitwise(sy, eager))
+    base.agree(True)
+
+
+def check_overhead(res, moe, cfg, rank, device):
+    """Host time per eager call (informational: python/benchmarks/op_overhead.py measures it)."""
+    import torch
+    import torch.distributed as dist
+    x, idx, wts = base.make_inputs(cfg, 8, torch.Generator().manual_seed(3), device)
+    for _ in range(10):
+        moe(x, idx, wts)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[device.index])
+    n = 100
+    t0 = time.perf_counter()
+    for _ in range(n):
+        moe(x, idx, wts)
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    res.record("host time per eager MoE call (info)", True, f"{us:.1f} us")
+
+
+def run(rank, world, local_rank, timeout):
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    import torch
+    import torch.distributed as dist
+    import epmoe
+    import epmoe.torch  # noqa: F401
+
+    base.DEVICE = device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    res = base.Results(rank)
+    if rank == 0:
+        print(f"epmoe {epmoe.version()} from {epmoe.library_path()}, torch {torch.__version__}, "
+              f"{world} ranks", flush=True)
+    configs = [
+        dict(dtype="fp8", num_experts=4 * world, hidden=512, intermediate=256, topk=4,
+             max_tokens_per_rank=96),
+        dict(dtype="bf16", num_experts=2 * world, hidden=384, intermediate=128, topk=2,
+             max_tokens_per_rank=64, activation_clamp=0.5),
+    ]
+
+    def step(name, fn):
+        base.restore_device()
+        try:
+            return fn()
+        except Exception as e:
+            res.record(name, False, f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+            base.abort(res, f"an exception in step '{name}'")
+
+    moes = [step(f"moe {c['dtype']}", lambda c=c: check_moe(res, c, rank, world, device))
+            for c in configs]
+    step("stack", lambda: check_stack(res, rank, world, device))
+    step("overhead", lambda: check_overhead(res, moes[0], configs[0], rank, device))
+    step("device error", lambda: check_device_error(res, moes[-1], configs[-1], rank, device))
+
+    totals = torch.tensor([res.passed, res.failed, res.skipped], device=device)
+    dist.all_reduce(totals)
+    dist.barrier(device_ids=[local_rank])
+    if rank == 0:
+        p, f, s = (int(v) for v in totals.tolist())
+        print(f"gpu_test_torch: {p} passed, {f} failed, {s} skipped", flush=True)
+    failed = int(totals[1].item())
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    return failed
+
+
+def _spawned(local_rank, world, port, timeout):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if run(local_rank, world, local_rank, timeout):
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
+    ap.add_argument("--timeout", type=float,
+                    default=float(os.environ.get("EPMOE_TEST_TIMEOUT", "300")),
+                    help="each rank exits with status 1 after this many seconds "
+                         "(default $EPMOE_TEST_TIMEOUT or 300: compiling takes a while)")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.timeout + 30, exit=True)
+    try:
+        import torch
+    except ImportError:
+        print("SKIPPED: torch is not installed")
+        return 0
+    want = max(1, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.nproc)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < want:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        print(f"SKIPPED: needs {want} GPUs, found {n}")
+        return 0
+    if "RANK" in os.environ:
+        return 1 if run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                        int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), args.timeout) else 0
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_spawned, args=(want, port, args.timeout), nprocs=want, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(f"FAILED: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""CPU tests of epmoe.torch (the torch.library operator and the MoE module). No GPU needed; every
+test here is skipped where torch is not installed (CI's machine). The C call is replaced by a
+recorder, the tensors live on the CPU (the layer stand-in claims device -1, which is what
+Tensor.get_device() says for CPU tensors) and weight buffers on "meta"."""
+
+import ctypes
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import epmoe  # noqa: E402
+from epmoe import _lib  # noqa: E402
+from epmoe.layer import Layer  # noqa: E402
+
+et = pytest.importorskip("epmoe.torch")
+
+GOOD = dict(num_ranks=2, num_experts=8, hidden=256, intermediate=128, topk=2,
+            max_tokens_per_rank=64)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+
+
+def fake_layer(**over):
+    """An epmoe.Layer with no GPU behind it: only its Python attributes exist."""
+    layer = object.__new__(Layer)
+    layer.config = epmoe.LayerConfig(**dict(GOOD, **over))
+    layer.device = -1
+    layer._handle = 0x1234
+    return layer
+
+
+@pytest.fixture
+def bound(monkeypatch):
+    """A registered fake layer whose C forward records its arguments."""
+    layer = fake_layer()
+    key = et.register_layer(layer)
+    b = et._registry[key]
+    rec = SimpleNamespace(key=key, b=b, layer=layer, calls=[])
+    b.c_forward = lambda *a: rec.calls.append(a) or 0
+    b.raw_stream = lambda device: 777
+    yield rec
+    et.unregister_layer(key)
+
+
+def inputs(t=4, h=256, k=2, idx_dtype=torch.int32):
+    x = torch.randn(t, h).bfloat16()
+    idx = torch.randint(0, 8, (t, k), dtype=idx_dtype)
+    w = torch.rand(t, k)
+    return x, idx, w
+
+
+# ---- the operator's registration ----------------------------------------------------------------
+
+def test_schema():
+    schema = str(torch.ops.epmoe.moe_forward.default._schema)
+    assert schema == ("epmoe::moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, "
+                      "int layer, str path=\"pipeline\") -> Tensor")
+
+
+def test_fake_impl_shapes_and_errors(bound):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x, idx, w = inputs(t=5)
+        y = torch.ops.epmoe.moe_forward(x, idx, w, bound.key)
+        assert (tuple(y.shape), y.dtype) == ((5, 256), torch.bfloat16)
+        y = torch.ops.epmoe.moe_forward(x, idx.long(), w, bound.key, "fused")
+        assert tuple(y.shape) == (5, 256)
+        cases = [((x.float(), idx, w), "x must be bfloat16; got float32"),
+                 ((x, idx.short(), w), "topk_idx must be int32 or int64; got int16"),
+                 ((x, idx, w.double()), "topk_weights must be float32; got float64"),
+                 ((x[:, :128], idx, w), "x must have shape (?, 256) = (T, hidden); got (5, 128)"),
+                 ((x, idx[:, :1], w), "topk_idx must have shape (T, 2) = (T, topk); got (5, 1)")]
+        for args, message in cases:
+            with pytest.raises(epmoe.InvalidArgument) as e:
+                torch.ops.epmoe.moe_forward(*args, bound.key)
+            assert message in str(e.value)
+
+
+def test_no_cpu_kernel():
+    # The operator runs on CUDA only; a CPU call is torch's dispatcher error, not a crash.
+    x, idx, w = inputs()
+    with pytest.raises(NotImplementedError):
+        torch.ops.epmoe.moe_forward(x, idx, w, 1)
+
+
+# ---- the eager implementation (the fast path) ----------------------------------------------------
+
+def test_forward_reaches_the_library(bound):
+    x, idx, w = inputs(t=4)
+    y = et._moe_forward_cuda(x, idx, w, bound.key)
+    (call,) = bound.calls
+    assert call[:4] == (0x1234, x.data_ptr(), idx.data_ptr(), w.data_ptr())
+    assert call[4] == y.data_ptr() and call[5:] == (4, 777, _lib.PATH_PIPELINE)
+    assert (tuple(y.shape), y.dtype) == ((4, 256), torch.bfloat16)
+    et._moe_forward_cuda(x, idx, w, bound.key, "fused")
+    assert bound.calls[-1][7] == _lib.PATH_FUSED
+
+
+def test_forward_zero_tokens(bound):
+    x, idx, w = inputs(t=0)
+    y = et._moe_forward_cuda(x, idx, w, bound.key)
+    assert tuple(y.shape) == (0, 256) and bound.calls[0][5] == 0
+
+
+def test_int64_indices_are_narrowed_on_the_device(bound):
+    x, idx, w = inputs(t=3)
+    wide = torch.tensor([[-1, 7], [0, 8], [-5, 2**40]], dtype=torch.int64)
+    seen = {}
+    bound.b.c_forward = lambda h, xp, ip, wp, yp, t, s, p: seen.update(ptr=ip) or 0
+    et._moe_forward_cuda(x, wide, w, bound.key)
+    narrow = et.idx_to_int32(wide, 8)
+    # -1 and in-range values are kept; out-of-range ones stay out of range (the device reports them)
+    assert narrow.dtype == torch.int32
+    assert narrow.tolist() == [[-1, 7], [0, 8], [-2, 8]]
+    assert seen["ptr"] not in (0, wide.data_ptr())  # the kernels read a new int32 tensor
+
+
+def test_int64_and_int32_reach_the_library_with_the_same_values(bound):
+    x, idx, w = inputs(t=6)
+    got = []
+
+    def record(h, xp, ip, wp, yp, t, s, p):
+        got.append(list((ctypes.c_int32 * (t * 2)).from_address(ip)))
+        return 0
+
+    bound.b.c_forward = record
+    et._moe_forward_cuda(x, idx, w, bound.key)
+    et._moe_forward_cuda(x, idx.long(), w, bound.key)
+    assert got[0] == got[1] == idx.flatten().tolist()
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda x, i, w: (x.float(), i, w), "x must be bfloat16; got float32"),
+    (lambda x, i, w: (x[:, :128], i, w), "x must have shape (?, 256) = (T, hidden); got (4, 128)"),
+    (lambda x, i, w: (x[None], i, w), "x must have shape (?, 256) = (T, hidden); got (1, 4, 256)"),
+    (lambda x, i, w: (x, i.short(), w), "topk_idx must be int32 or int64; got int16"),
+    (lambda x, i, w: (x, i[:3], w), "topk_idx must have shape (4, 2) = (T, topk); got (3, 2)"),
+    (lambda x, i, w: (x, i, w.half()), "topk_weights must be float32; got float16"),
+    (lambda x, i, w: (x, i, w[:, :1]), "topk_weights must have shape (4, 2) = (T, topk); got (4, 1)"),
+    (lambda x, i, w: (x.t().contiguous().t(), i, w), "x must be contiguous (row-major, no gaps)"),
+    (lambda x, i, w: (x, i.t().contiguous().t(), w), "topk_idx must be contiguous"),
+    (lambda x, i, w: (torch.zeros(65, 256, dtype=torch.bfloat16), torch.zeros(65, 2, dtype=torch.int32),
+                      torch.zeros(65, 2)),
+     "x has T=65 tokens but the layer was created with max_tokens_per_rank=64"),
+    (lambda x, i, w: (torch.zeros(4 * 256 + 1, dtype=torch.bfloat16)[1:].view(4, 256), i, w),
+     "x must start at a 16-byte aligned address"),
+])
+def test_forward_argument_errors(bound, change, message):
+    with pytest.raises(epmoe.InvalidArgument) as e:
+        et._moe_forward_cuda(*change(*inputs(t=4)), bound.key)
+    assert message in str(e.value), str(e.value)
+    assert not bound.calls
+
+
+def test_forward_other_errors(bound):
+    x, idx, w = inputs()
+    with pytest.raises(epmoe.InvalidArgument, match="path='fast' must be one of 'pipeline', 'fused'"):
+        et._moe_forward_cuda(x, idx, w, bound.key, "fast")
+    bound.b.device_index = 0  # the layer on cuda:0, the tensors on the CPU
+    with pytest.raises(epmoe.InvalidArgument, match="x is on cpu but this epmoe layer lives on cuda:0"):
+        et._moe_forward_cuda(x, idx, w, bound.key)
+    bound.b.device_index = -1
+    with pytest.raises(epmoe.InvalidArgument, match="no layer is registered under key 999999"):
+        et._moe_forward_cuda(x, idx, w, 999999)
+    bound.layer._handle = None
+    with pytest.raises(epmoe.InvalidArgument, match=f"layer registered as {bound.key} was closed"):
+        et._moe_forward_cuda(x, idx, w, bound.key)
+    assert not bound.calls
+
+
+def test_library_status_becomes_an_exception(bound, monkeypatch):
+    monkeypatch.setattr(_lib, "_lib", _lib.lib())
+    bound.b.c_forward = lambda *a: 2
+    with pytest.raises(epmoe.UnsupportedError):
+        et._moe_forward_cuda(*inputs(), bound.key)
+
+
+def test_register_layer_arguments():
+    with pytest.raises(epmoe.InvalidArgument, match="register_layer takes an epmoe.Layer"):
+        et.register_layer("layer")
+    closed = fake_layer()
+    closed._handle = None
+    with pytest.raises(epmoe.InvalidArgument, match="this Layer was closed"):
+        et.register_layer(closed)
+    layer = fake_layer()
+    a, b = et.register_layer(layer), et.register_layer(layer)
+    assert a != b and et.registered_layer(a) is layer
+    et.unregister_layer(a)
+    et.unregister_layer(b)
+    with pytest.raises(epmoe.InvalidArgument, match="no layer is registered"):
+        et.registered_layer(a)
+
+
+# ---- torch.compile: one graph, the operator in it ------------------------------------------------
+
+def compile_graphs(fn, *args):
+    """Compiles fn with fullgraph=True and a backend that records the FX graph and returns
+    zeros of the traced output's shape (the operator has no CPU kernel)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        metas = [o.meta["example_value"] for o in outs]
+
+        def run(*a):
+            return tuple(torch.zeros(m.shape, dtype=m.dtype) for m in metas)
+        return run
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return graphs, out
+
+
+def op_calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and "epmoe.moe_forward" in str(n.target)]
+
+
+def test_compile_router_and_op_in_one_graph(bound):
+    def block(x, router_w):
+        probs = (x.float() @ router_w).softmax(dim=-1)
+        weights, idx = probs.topk(2, dim=-1)          # int64 indices, as torch.topk gives them
+        return x + et.moe_forward(x, idx, weights, bound.key)
+
+    x = torch.randn(5, 256).bfloat16()
+    graphs, out = compile_graphs(block, x, torch.randn(256, 8))
+    (gm,) = graphs
+    assert len(op_calls(gm)) == 1
+    assert any("clamp" in str(n.target) for n in gm.graph.nodes)  # int64 -> int32 in the graph
+    assert out.shape == (5, 256) and out.dtype == torch.bfloat16
+    assert not bound.calls  # traced, never run
+
+
+def test_compile_error_names_the_argument(bound):
+    def bad(x, idx, w):
+        return et.moe_forward(x.float(), idx, w, bound.key)
+    with pytest.raises(Exception) as e:
+        compile_graphs(bad, *inputs())
+    assert "x must be bfloat16; got float32" in str(e.value)
+
+
+# ---- the module (no GPU: fake layer, buffers on "meta") ------------------------------------------
+
+@pytest.fixture
+def moe(monkeypatch):
+    pushed = []
+    def init(self, group, e, h, i, k, t, dtype="fp8", clamp=None, **kw):
+        self.__dict__.update(fake_layer(dtype=dtype).__dict__, comm=SimpleNamespace(rank=0))
+
+    monkeypatch.setattr(Layer, "__init__", init)
+    monkeypatch.setattr(et, "_buffer_device", lambda index: torch.device("meta"))
+    monkeypatch.setattr(Layer, "load_weights", lambda self, *a, **kw: pushed.append(a),
+                        raising=True)
+    monkeypatch.setattr(et.torch.cuda, "current_stream", lambda device=None: 0)
+    m = et.MoE(8, 256, 128, 2, 64, "fp8")
+    m.pushed = pushed
+    yield m
+    m._unregister()
+
+
+def test_moe_buffers_and_repr(moe):
+    assert moe.w1.shape == (4, 256, 256) and moe.w1.dtype == torch.float8_e4m3fn
+    assert moe.w1_scale.shape == (4, 2, 2) and moe.w2_scale.shape == (4, 2, 1)
+    assert set(moe.state_dict()) == {"w1", "w1_scale", "w2", "w2_scale"}
+    assert "E=8, H=256, I=128, K=2" in repr(moe)
+    assert et.registered_layer(moe.layer_key) is moe.layer
+
+
+def test_moe_load_weights(moe):
+    meta = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    w1, w1s = meta((4, 256, 256), torch.uint8), meta((4, 2, 2), torch.float32)
+    w2, w2s = meta((4, 256, 128), torch.float8_e4m3fn), meta((4, 2, 1), torch.float32)
+    moe.load_weights(w1, w1s, w2, w2s)
+    assert len(moe.pushed) == 1 and moe.pushed[0][0] is moe.w1 and moe.weights_loaded
+    bad = [((w1, None, w2, w2s), "w1_scale must be a torch.Tensor"),
+           ((meta((4, 256, 255), torch.uint8), w1s, w2, w2s),
+            "w1 must have shape (4, 256, 256); got (4, 256, 255)"),
+           ((w1, w1s, meta((4, 256, 128), torch.bfloat16), w2s),
+            "w2 must be float8_e4m3fn; got bfloat16")]
+    for args, message in bad:
+        with pytest.raises(epmoe.InvalidArgument) as e:
+            moe.load_weights(*args)
+        assert message in str(e.value)
+    moe.load_state_dict(moe.state_dict())  # the post-hook hands the buffers to the layer again
+    assert len(moe.pushed) == 2
+
+
+def test_moe_eager_calls_the_kernel_directly(moe):
+    calls = []
+    moe._bound.c_forward = lambda *a: calls.append(a) or 0
+    moe._bound.raw_stream = lambda device: 5
+    x, idx, w = inputs(t=3, idx_dtype=torch.int64)
+    y = moe(x, idx, w)
+    assert len(calls) == 1 and calls[0][5:] == (3, 5, _lib.PATH_PIPELINE) and y.shape == (3, 256)
+    # Under a mode (here torch.device's function mode) the call goes through the operator, which
+    # has no CPU kernel: the dispatcher's error shows which way it went.
+    with torch.device("cpu"), pytest.raises(NotImplementedError):
+        moe(x, idx, w)
+    assert len(calls) == 1
+
+
+def test_moe_compiles_to_one_graph(moe):
+    graphs, out = compile_graphs(lambda x, i, w: moe(x, i, w) * 2, *inputs(t=3, idx_dtype=torch.int64))
+    assert len(op_calls(graphs[0])) == 1 and out.shape == (3, 256)
+
+
+def test_moe_closes_and_unregisters(moe, monkeypatch):
+    closed = []
+    monkeypatch.setattr(Layer, "close", lambda self: closed.append(self))
+    key = moe.layer_key
+    moe.close()
+    assert closed == [moe.layer]
+    with pytest.raises(epmoe.InvalidArgument, match="no layer is registered"):
+        et.registered_layer(key)
+
+
+def test_moe_path_argument(moe):
+    with pytest.raises(epmoe.InvalidArgument, match="path='x' must be one of"):
+        et.MoE(8, 256, 128, 2, 64, "fp8", path="x")
+
+
+# ---- the GPU scripts: they compile, and skip cleanly here ---------------------------------------
+
+SCRIPTS = [os.path.join(HERE, "gpu_test_torch.py"), os.path.join(ROOT, "examples", "moe_stack.py"),
+           os.path.join(ROOT, "python", "benchmarks", "op_overhead.py")]
+
+
+@pytest.mark.parametrize("path", SCRIPTS)
+def test_gpu_scripts_compile(path):
+    with open(path) as f:
+        compile(f.read(), path, "exec")
+
+
+def test_gpu_torch_test_skips_without_gpus():
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs: run the GPU test itself")
+    r = subprocess.run([sys.executable, SCRIPTS[0]], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("SKIPPED"), (r.stdout, r.stderr)
+
+
+def test_overhead_benchmark_cpu_mode():
+    # The Python side of a call, measured without a GPU (the C call replaced by a no-op).
+    r = subprocess.run([sys.executable, SCRIPTS[2], "--cpu", "--calls", "200", "--repeats", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "epmoe op, C call stubbed" in r.stdout
+
+
+# ---- the whole torch stack on the CPU: a CPU kernel that copies x stands in for the layer --------
+
+@pytest.fixture
+def cpu_kernel(bound):
+    """Registers the operator's kernel for CPU tensors, with a C stand-in that writes y = x."""
+    def copy_x(h, xp, ip, wp, yp, t, s, p):
+        ctypes.memmove(yp, xp, t * 256 * 2)
+        return 0
+
+    bound.b.c_forward = copy_x
+    impl = torch.library.Library("epmoe", "IMPL")
+    impl.impl("moe_forward", et._moe_forward_cuda, "CPU")
+    yield bound
+    impl._destroy()
+
+
+def test_opcheck(cpu_kernel):
+    # torch's own checks of a custom operator: schema, autograd registration, fake vs real, AOT.
+    x, idx, w = inputs(t=4)
+    result = torch.library.opcheck(torch.ops.epmoe.moe_forward.default, (x, idx, w, cpu_kernel.key))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_inductor_runs_the_operator(cpu_kernel):
+    # torch.compile with inductor (fullgraph, then dynamic shapes) generates code that calls the
+    # operator; the router runs in inductor's kernels.
+    router = torch.randn(256, 8)
+
+    def block(h):
+        w, i = (h.float() @ router).softmax(-1).topk(2, dim=-1)
+        return h + et.moe_forward(h, i, w / w.sum(-1, keepdim=True), cpu_kernel.key)
+
+    x = torch.randn(16, 256).bfloat16()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(block, fullgraph=True)(x), 2 * x)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(block, fullgraph=True, dynamic=True)(x[:5]), 2 * x[:5])
