@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|e2e-stats]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|layer-peer|e2e-stats]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -217,6 +217,28 @@ if [ "$mode" = single ]; then
   done
   unset EPMOE_FUSED_EPILOGUE
   step r1_layer_bf16 90 "$bin/epmoe-bench" layer --ranks 1 --path pipeline,fused --dtype bf16 --tokens 128,4096 --partials bf16
+  finish
+fi
+# layer-peer: every local GPU as one rank: the e2e subset of `ranks` (both paths) and the
+# dispatch/combine routings, then the layer beside the MegaMoE peer (megamoe_layer.py, which runs
+# the peer, epmoe's pipeline and fused paths in one process group) at R = all GPUs and R = 2, DSV3
+# slice (EPMOE_PEER_TOKENS) and the Qwen3-like shape.
+if [ "$mode" = layer-peer ]; then
+  R=$(nvidia-smi -L 2>/dev/null | wc -l)
+  whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
+  peer_setup && python3 -m pip install -q --no-index --no-deps --target /tmp/peers "$whl" >/dev/null 2>&1 ||
+    { summary+=("peer_setup: FAILED"); finish; }
+  if [ "${EPMOE_PEER_TESTS:-1}" = 1 ]; then
+    cases='Dsv3Fp8ManyTokens:Qwen3Fp8:Qwen3Bf16:ZipfFp8:AllTokensToOneRank:ZeroTokensOnOneRank:UnequalTokens:CudaGraphReplay:FusedDeferredEpilogueFp8:ThousandCallsFreshRouting'
+    filter=$(echo "$cases" | tr ':' '\n' | sed 's/^/LayerE2E*./' | paste -sd:)
+    EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$filter"
+    EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
+      --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
+  fi
+  tokens=${EPMOE_PEER_TOKENS:-1,128,1024,4096,8192}
+  step "layer_peer_r${R}" 200 torchrun --standalone --nproc-per-node "$R" .gpu/peers/megamoe_layer.py --shape dsv3 --tokens "$tokens"
+  step "layer_peer_r${R}_qwen3" 120 torchrun --standalone --nproc-per-node "$R" .gpu/peers/megamoe_layer.py --shape qwen3
+  [ "$R" -gt 2 ] && step layer_peer_r2 150 torchrun --standalone --nproc-per-node 2 .gpu/peers/megamoe_layer.py --shape dsv3 --tokens 1,128,4096
   finish
 fi
 if [ "$mode" = ranks ]; then
