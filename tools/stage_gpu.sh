@@ -10,7 +10,10 @@ export PATH=/usr/local/cuda/bin:$PATH
 # the binaries' RUNPATH. The library's own default has no machine-specific path.
 gpu_rpath=${EPMOE_EXTRA_RPATH:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 # EPMOE_BUILD_PROBES: the probes of tools/probes are staged too (bash tools/gpu_all.sh probe).
+# EPMOE_TEST_HOOKS: the fault-injection hooks of the timeout and failure tests (the hooks' only
+# device-side trace is one check per GEMM producer run, outside the K loops).
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_DIAG_TRACE=OFF -DEPMOE_BUILD_PROBES=ON \
+  -DEPMOE_TEST_HOOKS=ON \
   -DEPMOE_EXTRA_RPATH="$gpu_rpath" >/dev/null
 cmake --build "$build" -j "$(nproc)"
 rm -rf .gpu/bin && mkdir -p .gpu/bin

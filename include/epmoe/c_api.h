@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /// Bumped whenever a signature or a struct below changes; bindings check it at load time.
-#define EPMOE_C_API_VERSION 2
+#define EPMOE_C_API_VERSION 3
 
 /// Size of an ncclUniqueId, the token that bootstraps a communicator.
 #define EPMOE_UNIQUE_ID_BYTES 128
@@ -58,7 +58,9 @@ typedef struct epmoe_layer_config {
   float activation_clamp;    ///< <= 0 disables the clamp
   int32_t pow2_scales;       ///< nonzero: round FP8 activation scales up to a power of two
   int32_t combine_partials;  ///< EPMOE_PARTIALS_* (0 = fp32, the default)
-  double timeout_seconds;    ///< bound of the communication waits for a peer, in (0, 3600]; 0: the default (10 s)
+  double timeout_seconds;    ///< bound of every device wait and host collective, in (0, 3600]; 0: the default (10 s)
+  int32_t strict_routing;    ///< nonzero: check the routing of every forward on the host first (debugging; syncs)
+  int32_t reserved;          ///< 0
 } epmoe_layer_config;
 
 /// Precision of combine's partial sums (epmoe::PartialPrecision).
@@ -139,12 +141,15 @@ EPMOE_C_EXPORT int epmoe_comm_create(const uint8_t* unique_id, int rank, int siz
 EPMOE_C_EXPORT int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out);
 /// Rank, size and CUDA device of a communicator (any output may be NULL).
 EPMOE_C_EXPORT int epmoe_comm_info(const epmoe_comm* comm, int* rank, int* size, int* device);
-/// Destroys the wrapper (and the NCCL communicator if it owns it). NULL is a no-op.
+/// Destroys the wrapper (and the NCCL communicator if it owns it). Fails with
+/// EPMOE_INVALID_ARGUMENT, destroying nothing, while a layer or dispatch handle made from it lives.
+/// Collective when it destroys the NCCL communicator. NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_comm_destroy(epmoe_comm* comm);
 
 // ---- layer --------------------------------------------------------------------------------------
 
-/// Collective: epmoe::MoELayer::create. `comm` must outlive the layer.
+/// Collective: epmoe::MoELayer::create. If any rank fails, every rank fails with a message naming the
+/// failing ranks and causes. `comm` cannot be destroyed while the layer lives.
 EPMOE_C_EXPORT int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg,
                                       epmoe_layer** out);
 /// The configuration the layer was created with (num_ranks filled in).
@@ -155,19 +160,22 @@ EPMOE_C_EXPORT int epmoe_layer_load_weights(epmoe_layer* layer, const void* w1,
                                             const float* w1_scale, const void* w2,
                                             const float* w2_scale, int on_device, void* stream);
 /// MoELayer::forward on `stream`: y[T][H] bf16 from x[T][H] bf16, topk_idx[T][K] int32 and
-/// topk_weights[T][K] fp32 (device pointers). Collective; never synchronizes (graph-capturable).
+/// topk_weights[T][K] fp32 (device pointers). Collective; never synchronizes (graph-capturable)
+/// unless strict_routing is set. Returns an error an earlier call recorded on the device (a bad
+/// expert index: after running this call; a timeout: without launching). Calls on different
+/// streams are serialized.
 EPMOE_C_EXPORT int epmoe_layer_forward(epmoe_layer* layer, const void* x, const int32_t* topk_idx,
                                        const float* topk_weights, void* y, int64_t num_tokens,
                                        void* stream, int path);
 /// MoELayer::check_device_error: synchronizes `stream`, reports an error the device recorded.
 EPMOE_C_EXPORT int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream);
-/// Frees the layer. NULL is a no-op.
+/// Frees the layer. Collective (a bounded barrier over every rank). NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_layer_destroy(epmoe_layer* layer);
 
 // ---- standalone dispatch / combine ---------------------------------------------------------------
 
-/// Collective: epmoe::DispatchHandle::create (the handle allocates its own pool). `comm` must
-/// outlive the handle.
+/// Collective: epmoe::DispatchHandle::create (the handle allocates its own pool). `comm` cannot be
+/// destroyed while the handle lives.
 EPMOE_C_EXPORT int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg,
                                          epmoe_dispatch** out);
 /// The pool's regions (device pointers, valid while the handle lives).
@@ -179,7 +187,7 @@ EPMOE_C_EXPORT int epmoe_dispatch_run(epmoe_dispatch* handle, const void* x, con
 EPMOE_C_EXPORT int epmoe_combine_run(epmoe_dispatch* handle, void* y, int64_t num_tokens, void* stream);
 /// DispatchHandle::check_errors: synchronizes `stream`, reports and clears recorded errors.
 EPMOE_C_EXPORT int epmoe_dispatch_check_errors(epmoe_dispatch* handle, void* stream);
-/// Frees the handle. NULL is a no-op.
+/// Frees the handle. Collective (a bounded barrier over every rank). NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_dispatch_destroy(epmoe_dispatch* handle);
 
 #ifdef __cplusplus

@@ -11,6 +11,10 @@
 
 namespace epmoe {
 
+namespace detail {
+struct CommAccess;  // internal: layers and dispatch handles share the communicator's state
+}  // namespace detail
+
 /// Largest number of ranks a Communicator supports (one NVLink node).
 inline constexpr int kMaxCommRanks = 8;
 
@@ -23,19 +27,41 @@ struct SymmetricBuffer {
   size_t bytes = 0;
 };
 
+/// Default bound of the host-side collectives (barrier, alloc_symmetric, free_symmetric) when the
+/// caller gives none. Layers and dispatch handles pass their own timeout_seconds.
+inline constexpr double kDefaultHostTimeoutSeconds = 60.0;
+
 /// Wraps an NCCL communicator (one process per GPU) and the symmetric memory that epmoe's kernels
 /// reach peers through. Init fails with a clear message when NCCL cannot give true symmetric,
 /// NVLink-mapped memory (older libnccl, ranks not all NVLink-reachable, silent fallbacks).
+///
+/// Collective calls (every rank, in the same order): create, wrap, alloc_symmetric,
+/// free_symmetric, barrier, and the creation and destruction of every MoELayer and DispatchHandle
+/// made from it. Each host-side collective is bounded: when a rank does not reach it within the
+/// timeout, the others fail with kTimeout naming the step, and the communicator becomes unusable
+/// (aborted when epmoe owns the NCCL communicator; a wrapped one may be left blocked in the
+/// collective: abort it or end the process).
+///
+/// Layers and dispatch handles share the communicator's state: it lives until the last of them is
+/// destroyed, whatever the order. close() releases it now, and fails while any of them lives.
 class Communicator {
  public:
   /// Creates a new NCCL communicator on the current CUDA device (collective: all `size` ranks call it
   /// with the same `id`).
   static Status create(const ncclUniqueId& id, int rank, int size, std::unique_ptr<Communicator>* out);
   /// Uses the caller's communicator (e.g. from torch.distributed or MPI); it is not destroyed by
-  /// the Communicator. The current CUDA device must be the communicator's device. Collective.
+  /// the Communicator, and must outlive it and every layer made from it. The current CUDA device
+  /// must be the communicator's device. Collective.
   static Status wrap(ncclComm_t comm, std::unique_ptr<Communicator>* out);
 
+  /// Drops this object's share of the state. The NCCL communicator and the symmetric memory go with
+  /// the last share: this object, or the last layer or dispatch handle made from it.
   ~Communicator();
+
+  /// Releases the state now. Fails (kInvalidArgument, nothing released) while a layer or dispatch
+  /// handle made from this communicator lives. Not collective by itself, but the NCCL communicator's
+  /// destruction is: close on every rank. After Ok, only destruction is valid.
+  Status close();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
@@ -47,26 +73,31 @@ class Communicator {
   /// Allocates `bytes` of symmetric memory on every rank (collective: same sizes, same order on every
   /// rank), zero-filled, with the peer pointers resolved and checked by a write/read-back through
   /// NVLink. The buffer lives until free_symmetric() or the Communicator's destruction.
-  Status alloc_symmetric(size_t bytes, SymmetricBuffer** out);
+  /// Bounded: fails on every rank (and releases the allocation) when any rank's allocation or NVLink
+  /// check fails; kTimeout when a rank does not arrive within timeout_seconds.
+  Status alloc_symmetric(size_t bytes, SymmetricBuffer** out, double timeout_seconds = kDefaultHostTimeoutSeconds);
 
   /// Releases a buffer from alloc_symmetric. Collective: every rank calls it for its copy of the same
   /// buffer, in the same order relative to other collective calls (a rank that never calls it blocks
   /// the others). Synchronizes this device and barriers across ranks first, so no kernel of any rank
   /// still touches the memory, then deregisters the NCCL window and frees the memory. `buf` is
   /// invalid afterwards; null is a no-op. A buffer this Communicator did not allocate is an error.
-  Status free_symmetric(SymmetricBuffer* buf);
+  /// The barrier is bounded by timeout_seconds.
+  Status free_symmetric(SymmetricBuffer* buf, double timeout_seconds = kDefaultHostTimeoutSeconds);
 
-  /// Host-side barrier over all ranks (an NCCL all-reduce of one word, then a stream sync).
-  Status barrier(cudaStream_t stream);
+  /// Host-side barrier over all ranks (an NCCL all-reduce of one word on `stream`, then a bounded
+  /// wait for it: kTimeout after timeout_seconds).
+  Status barrier(cudaStream_t stream, double timeout_seconds = kDefaultHostTimeoutSeconds);
 
   /// Streaming multiprocessors of this rank's GPU (the persistent comm kernels use one block each).
   int num_sms() const;
 
  private:
+  friend struct detail::CommAccess;
   struct Impl;
-  explicit Communicator(std::unique_ptr<Impl> impl);
-  static Status init(std::unique_ptr<Impl> impl, std::unique_ptr<Communicator>* out);
-  std::unique_ptr<Impl> impl_;
+  explicit Communicator(std::shared_ptr<Impl> impl);
+  static Status init(std::shared_ptr<Impl> impl, std::unique_ptr<Communicator>* out);
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace epmoe

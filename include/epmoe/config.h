@@ -41,11 +41,20 @@ struct LayerConfig {
   bool pow2_scales = false;      ///< Round FP8 activation scales up to a power of two.
   /// Combine's partial sums: fp32 (default) or bf16 (half the combine bytes over NVLink).
   PartialPrecision combine_partials = PartialPrecision::kFloat32;
-  /// Bound of every device-side wait for a peer, in seconds, (0, 3600]. A wait that expires records
-  /// who waited on what (MoELayer::check_device_error returns it as kTimeout) and traps: the CUDA
-  /// context is lost, so this is a last resort against hangs, and it must exceed the longest time
-  /// one rank's host may lag behind the others.
+  /// Bound of every wait, in seconds, (0, 3600]: the device-side waits (for a peer's flags, the
+  /// grid and cross-rank barriers, the GEMM pipelines' stages and readiness counters) and the
+  /// host-side collectives of create, destroy and strict mode. A device wait that expires records
+  /// who waited on what (rank, block, warp role, the word, expected and seen values) in host memory
+  /// and traps: the next forward (or check_device_error) returns that line as kTimeout, and the
+  /// CUDA context is lost. A last resort against hangs: it must exceed the longest time one rank's
+  /// host may lag behind the others.
   double timeout_seconds = 10.0;
+  /// Debugging aid, off by default: every forward copies its topk_idx to the host, checks it and
+  /// agrees with every rank before launching (each rank returns kInvalidArgument naming the rank and
+  /// the slot, and none launches). It synchronizes the stream and all ranks, so it is slow and cannot
+  /// be captured in a CUDA graph. Without it, a bad index masks its slot and the next forward on
+  /// that rank returns the error.
+  bool strict_routing = false;
 
   int experts_per_rank() const { return num_ranks > 0 ? num_experts / num_ranks : 0; }
 };

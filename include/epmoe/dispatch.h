@@ -60,8 +60,10 @@ class DispatchHandle {
   /// Collective over `comm`: every rank must pass the same `cfg` (checked; every rank fails with a
   /// message naming the differing field and ranks). `external_pool` (optional) must hold
   /// pool_bytes_for(comm, cfg) bytes of 256-byte aligned device memory; otherwise the handle
-  /// allocates its own pool. The handle's destructor is collective too (it frees symmetric memory):
-  /// destroy it on every rank, before the Communicator.
+  /// allocates its own pool. If any rank fails, every rank fails with the failing ranks and causes;
+  /// every exchange is bounded by cfg.timeout_seconds. The handle's destructor is collective too (it
+  /// frees symmetric memory with a bounded barrier): destroy it on every rank. The handle holds a
+  /// share of the communicator's state, so the Communicator object may go first.
   static Status create(Communicator& comm, const DispatchConfig& cfg, std::unique_ptr<DispatchHandle>* out,
                        void* external_pool = nullptr);
   static int64_t pool_bytes_for(const Communicator& comm, const DispatchConfig& cfg);
@@ -88,10 +90,10 @@ class DispatchHandle {
 
   /// Synchronizes `stream` and reports (then clears) the errors the kernels recorded. A device-side
   /// wait that timed out has trapped (the CUDA context is lost); that shows up here as kTimeout with
-  /// the kernel's record in the message ("[epmoe] TIMEOUT rank R block B thread T: flag NAME[i]
-  /// expected >= E, seen S after W ms"), also printed to stderr. Another sticky CUDA error: kCudaError.
-  /// Tests only: an internal hook set before create makes one rank launch nothing, so the peers
-  /// time out (docs/COMM.md, "Debug injection").
+  /// the kernel's record in the message ("[epmoe] TIMEOUT rank R block B thread T (comm): flag
+  /// NAME[i] expected >= E, seen S after W ms"), also printed to stderr. Another sticky CUDA error:
+  /// kCudaError. An out-of-range expert index: kInvalidArgument naming the call, token, slot and
+  /// value (the latest call that had one).
   Status check_errors(cudaStream_t stream);
 
  private:

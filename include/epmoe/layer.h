@@ -4,6 +4,9 @@
 // experts' weights once (a one-time transform into the kernels' layout, see docs/LAYOUTS.md),
 // then runs forward() any number of times on the same buffers. forward() never waits on the
 // host for device data, so it can be captured in a CUDA graph.
+//
+// Collective calls (every rank, same order): create, forward, and the destructor. Each host-side
+// collective step is bounded by LayerConfig::timeout_seconds, and every device-side wait too.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,9 +37,16 @@ class MoELayer {
  public:
   /// Validates `cfg` (see validate()) against the communicator's rank count and allocates every
   /// buffer a forward call needs, sized from cfg.max_tokens_per_rank. Collective: every rank
-  /// calls it with the same cfg.
+  /// calls it with the same cfg. If any rank fails (a bad config, out of memory, a GEMM plan),
+  /// every rank returns an error naming the failing ranks and their causes, and frees what it
+  /// allocated; a rank that does not arrive within cfg.timeout_seconds makes the others return
+  /// kTimeout (the communicator is then unusable). The layer keeps a share of the communicator's
+  /// state, so it stays valid even if `comm` is destroyed first.
   static Status create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out);
 
+  /// Collective: frees the symmetric memory with a barrier over every rank (bounded by
+  /// timeout_seconds; a rank that never destroys its layer makes the others log the timeout and
+  /// leak the memory, and leaves the communicator unusable).
   virtual ~MoELayer() = default;
 
   /// Copies and transforms this rank's local experts into the kernels' layout.
@@ -44,13 +54,24 @@ class MoELayer {
 
   /// y[T][H] bf16 = the MoE layer of SPEC.md on x[T][H] bf16, topk_idx[T][K] int32,
   /// topk_weights[T][K] fp32, all device pointers. Collective: every rank calls it (T may be 0).
-  /// Host-side checks run before any launch; an out-of-range expert index found on the device
-  /// is reported by the next check_device_error().
+  /// Host-side checks run before any launch. Never synchronizes (except in strict_routing mode).
+  ///
+  /// Errors found on the device come back without a sync, from host memory the kernels write:
+  /// - an out-of-range expert index masks its slot (the call completes); the next forward on this
+  ///   rank that finds the report runs as usual and then returns kInvalidArgument naming the
+  ///   earlier call, token, slot and value (once);
+  /// - a device-side wait that timed out (its kernel trapped; the context is lost): the next
+  ///   forward returns kTimeout with the record's line (rank, block, thread, role, the word waited
+  ///   on, expected and seen) without launching.
+  ///
+  /// Calls on different streams are serialized: a call waits for the end of the previous call
+  /// when that one was issued on another stream (an event, also under CUDA graph capture), so
+  /// one layer may be used from several streams; they do not run concurrently.
   virtual Status forward(const void* x, const int32_t* topk_idx, const float* topk_weights,
                          void* y, int64_t num_tokens, cudaStream_t stream, Path path) = 0;
 
-  /// Synchronizes `stream` and reports an error the device recorded since the last check
-  /// (a bad expert index, a peer that never arrived). Not for the forward path.
+  /// The explicit check: synchronizes `stream` and reports an error the device recorded since the
+  /// last check or forward (a bad expert index, a wait that timed out). Not for the forward path.
   virtual Status check_device_error(cudaStream_t stream) = 0;
 
   virtual const LayerConfig& config() const = 0;

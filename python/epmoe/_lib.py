@@ -11,7 +11,7 @@ from ctypes import c_void_p, c_size_t
 from ._errors import LibraryError, error_for
 
 # Must equal EPMOE_C_API_VERSION of the library this package was written for.
-C_API_VERSION = 2
+C_API_VERSION = 3
 UNIQUE_ID_BYTES = 128
 LIBRARY_NAME = "libepmoe_c.so"
 
@@ -38,6 +38,8 @@ class LayerConfigC(ctypes.Structure):
         ("pow2_scales", c_int32),
         ("combine_partials", c_int32),
         ("timeout_seconds", c_double),
+        ("strict_routing", c_int32),
+        ("reserved", c_int32),
     ]
 
 

@@ -121,9 +121,12 @@ class Communicator:
         return comm
 
     def close(self) -> None:
-        """Destroys the communicator now (it must have no live layer). Also done at collection."""
+        """Destroys the communicator now. Raises InvalidArgument (and destroys nothing) while a
+        Layer or DispatchHandle made from it is still open. Also done at collection, after the
+        layers that hold it."""
         if self._handle is not None:
-            self._finalizer()
+            _lib.call("epmoe_comm_destroy", self._handle)
+            self._finalizer.detach()
             self._handle = None
 
     @property

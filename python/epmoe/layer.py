@@ -33,7 +33,8 @@ class LayerConfig:
     activation_clamp: float | None = None
     pow2_scales: bool = False
     combine_partials: str = "fp32"  # "fp32" or "bf16": precision of combine's partial sums
-    timeout_seconds: float = 10.0  # bound of the communication waits for a peer, in (0, 3600]
+    timeout_seconds: float = 10.0  # bound of every device wait and host collective, in (0, 3600]
+    strict_routing: bool = False  # check each call's routing on the host first (debugging; syncs)
 
     @property
     def experts_per_rank(self) -> int:
@@ -56,6 +57,9 @@ class LayerConfig:
         c.timeout_seconds = float_arg("timeout_seconds", self.timeout_seconds)
         if c.timeout_seconds <= 0:
             raise InvalidArgument(f"timeout_seconds={self.timeout_seconds} must be in (0, 3600]")
+        if not isinstance(self.strict_routing, bool):
+            raise InvalidArgument(f"strict_routing must be a bool, got {self.strict_routing!r}")
+        c.strict_routing = int(self.strict_routing)
         return c
 
     def validate(self) -> "LayerConfig":
@@ -113,15 +117,18 @@ def _as_communicator(group_or_comm: Any) -> Communicator:
 
 
 def _destroy(handle: int, comm: Communicator) -> None:
-    # `comm` is an argument so that the communicator outlives the layer.
+    # `comm` is an argument so that the communicator outlives the layer (its close() fails while
+    # the layer lives).
     _lib.lib().epmoe_layer_destroy(handle)
 
 
 class Layer:
     """The MoE layer on this rank.
 
-    Collective: every rank of the group creates it with the same arguments, and every rank calls
-    it (with its own token count, possibly 0) the same number of times.
+    Collective: every rank of the group creates it with the same arguments, every rank calls it
+    (with its own token count, possibly 0) the same number of times, and every rank closes it (or
+    lets it be collected). If creation fails on any rank, it raises on every rank with the failing
+    ranks and causes. Calls from several streams are serialized (each waits for the previous one).
 
     Args:
         group_or_comm: an :class:`epmoe.Communicator`, a torch.distributed process group (None:
@@ -136,19 +143,25 @@ class Layer:
         combine_partials: "fp32" (default) or "bf16": precision of the per-(token, expert rank)
             partial sums that combine sends back; bf16 halves combine's NVLink bytes at the cost
             of one more bf16 rounding per partial (within SPEC's accuracy bound).
-        timeout_seconds: bound of the device-side waits for a peer (dispatch, combine, the
-            megakernel's cross-rank flags and barriers), in (0, 3600]; a wait that expires fails the
-            call with a message naming it. The GEMM pipelines' own stage waits keep a fixed 10 s.
+        timeout_seconds: bound of every wait, in (0, 3600]: the device-side waits (peers' flags,
+            barriers, the GEMM pipelines' stages and counters) and the host-side collectives of
+            creation, destruction and strict mode. A device wait that expires records who waited on
+            what, and the next call raises DeviceTimeout with that line (the CUDA context is lost).
+        strict_routing: a debugging aid: every call copies topk_idx to the host and checks it on
+            every rank before launching (raises InvalidArgument on every rank, naming the rank and
+            slot). It synchronizes, so it is slow and cannot be captured in a CUDA graph.
     """
 
     def __init__(self, group_or_comm: Any, num_experts: int, hidden: int, intermediate: int,
                  topk: int, max_tokens_per_rank: int, dtype: str = "fp8",
                  activation_clamp: float | None = None, *, pow2_scales: bool = False,
-                 combine_partials: str = "fp32", timeout_seconds: float = 10.0):
+                 combine_partials: str = "fp32", timeout_seconds: float = 10.0,
+                 strict_routing: bool = False):
         comm = _as_communicator(group_or_comm)
         self.config = LayerConfig(comm.size, num_experts, hidden, intermediate, topk,
                                   max_tokens_per_rank, dtype, activation_clamp,
-                                  pow2_scales, combine_partials, timeout_seconds).validate()
+                                  pow2_scales, combine_partials, timeout_seconds,
+                                  strict_routing).validate()
         c = self.config.to_c()
         handle = ctypes.c_void_p()
         _lib.call("epmoe_layer_create", comm.handle, ctypes.byref(c), ctypes.byref(handle))
@@ -214,10 +227,13 @@ class Layer:
 
         x [T, H] bf16, topk_idx [T, K] int32 (each in [0, E) or -1), topk_weights [T, K] fp32,
         out [T, H] bf16, all on this rank's GPU. Runs on `stream` (default: the framework's
-        current stream, e.g. torch.cuda.current_stream()) and never synchronizes with the host,
-        so it can be captured in a CUDA graph. An out-of-range expert index is found on the GPU and
-        reported by :meth:`check_device_error`. `path`: "pipeline" (four kernels, the default:
-        faster today) or "fused" (the megakernel); both give bitwise the same result.
+        current stream, e.g. torch.cuda.current_stream()) and never synchronizes with the host
+        (unless strict_routing), so it can be captured in a CUDA graph. An out-of-range expert
+        index is found on the GPU (its slot is masked) and the next call on this rank raises
+        InvalidArgument naming it, after running normally; a device wait that timed out makes the
+        next call raise DeviceTimeout without running. :meth:`check_device_error` is the explicit,
+        synchronizing check. `path`: "pipeline" (four kernels, the default: faster today) or
+        "fused" (the megakernel); both give bitwise the same result.
         """
         handle = self._live_handle()
         path_code = choice_arg("path", path, PATHS)
@@ -252,10 +268,12 @@ class Layer:
         _lib.call("epmoe_layer_check_device_error", handle, s)
 
     def close(self) -> None:
-        """Frees the layer's GPU buffers now (also done when the object is collected)."""
+        """Frees the layer's GPU buffers now (also done when the object is collected). Collective:
+        every rank closes its layer."""
         if self._handle is not None:
-            self._finalizer()
-            self._handle = None
+            handle, self._handle = self._handle, None
+            self._finalizer.detach()
+            _lib.call("epmoe_layer_destroy", handle)
 
     # ---- helpers ------------------------------------------------------------------------------
 

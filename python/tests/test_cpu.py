@@ -472,3 +472,27 @@ def test_library_rejects_unknown_combine_partials():
     with pytest.raises(epmoe.InvalidArgument) as e:
         _lib.call("epmoe_validate_config", ctypes.byref(c))
     assert "combine_partials=7" in str(e.value)
+
+
+def test_strict_routing_reaches_the_c_struct():
+    import ctypes
+    assert epmoe.LayerConfig(**GOOD).to_c().strict_routing == 0
+    c = epmoe.LayerConfig(**GOOD, strict_routing=True).validate().to_c()
+    assert c.strict_routing == 1
+    # The struct's size is the C ABI's (EPMOE_C_API_VERSION 3): a mismatch would shift every field.
+    assert ctypes.sizeof(_lib.LayerConfigC) == 56
+    assert _lib.C_API_VERSION == 3
+
+
+def test_strict_routing_must_be_a_bool():
+    with pytest.raises(epmoe.InvalidArgument, match="strict_routing must be a bool, got 'yes'"):
+        epmoe.LayerConfig(**GOOD, strict_routing="yes").validate()
+
+
+def test_library_rejects_nonzero_reserved_field():
+    import ctypes
+    c = epmoe.LayerConfig(**GOOD).to_c()
+    c.reserved = 1
+    with pytest.raises(epmoe.InvalidArgument) as e:
+        _lib.call("epmoe_validate_config", ctypes.byref(c))
+    assert "reserved=1 must be 0" in str(e.value)

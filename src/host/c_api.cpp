@@ -19,6 +19,8 @@
 #include "epmoe/version.h"
 #include "host/check.h"
 
+// The Python package mirrors the struct field by field (python/epmoe/_lib.py checks this size).
+static_assert(sizeof(epmoe_layer_config) == 56, "epmoe_layer_config changed: bump EPMOE_C_API_VERSION and _lib.py");
 static_assert(sizeof(ncclUniqueId) == EPMOE_UNIQUE_ID_BYTES, "EPMOE_UNIQUE_ID_BYTES != sizeof(ncclUniqueId)");
 static_assert(EPMOE_INVALID_ARGUMENT == int(epmoe::StatusCode::kInvalidArgument) &&
                   EPMOE_INTERNAL == int(epmoe::StatusCode::kInternal),
@@ -37,12 +39,12 @@ struct epmoe_comm {
 
 struct epmoe_dispatch {
   epmoe::DispatchHandle* handle = nullptr;  // owned
-  epmoe_comm* comm = nullptr;               // borrowed; must outlive the handle
+  epmoe_comm* comm = nullptr;               // borrowed; epmoe_comm_destroy refuses while the handle lives
 };
 
 struct epmoe_layer {
   epmoe::MoELayer* layer = nullptr;  // owned
-  epmoe_comm* comm = nullptr;        // borrowed; must outlive the layer
+  epmoe_comm* comm = nullptr;        // borrowed; epmoe_comm_destroy refuses while the layer lives
   epmoe::LayerConfig cfg;
 };
 
@@ -119,6 +121,8 @@ Status to_config(const epmoe_layer_config* c, epmoe::LayerConfig* out) {
                                                                       : epmoe::PartialPrecision::kFloat32;
   // 0 keeps LayerConfig's default; any other value goes to validation as given.
   if (c->timeout_seconds != 0.0) out->timeout_seconds = c->timeout_seconds;
+  out->strict_routing = c->strict_routing != 0;
+  if (c->reserved != 0) return invalid("reserved=", c->reserved, " must be 0");
   return Status::Ok();
 }
 
@@ -135,6 +139,8 @@ void from_config(const epmoe::LayerConfig& c, epmoe_layer_config* out) {
   out->combine_partials = c.combine_partials == epmoe::PartialPrecision::kBFloat16 ? EPMOE_PARTIALS_BF16
                                                                                      : EPMOE_PARTIALS_FP32;
   out->timeout_seconds = c.timeout_seconds;
+  out->strict_routing = c.strict_routing ? 1 : 0;
+  out->reserved = 0;
 }
 
 Status check_device_index(int device) {
@@ -300,13 +306,18 @@ int epmoe_comm_info(const epmoe_comm* comm, int* rank, int* size, int* device) {
 int epmoe_comm_destroy(epmoe_comm* comm) {
   return guarded([&]() -> Status {
     if (!comm) return Status::Ok();
-    std::unique_ptr<epmoe_comm> owned(comm);
-    if (owned->comm) {
+    if (comm->comm) {
       DeviceGuard guard;
-      Status st = guard.enter(owned->device);  // free even if the device switch failed
-      delete owned->comm;
+      Status st = guard.enter(comm->device);  // free even if the device switch failed
+      // Why close first: it fails (and frees nothing) while a layer or dispatch handle made from this
+      // communicator lives; the wrapper then stays valid.
+      EPMOE_RETURN_IF_ERROR(comm->comm->close());
+      delete comm->comm;
+      comm->comm = nullptr;
+      delete comm;
       return st;
     }
+    delete comm;
     return Status::Ok();
   });
 }

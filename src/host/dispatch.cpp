@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -11,14 +12,16 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device/comm/dispatch_params.h"
 #include "device/comm/status_bits.h"
-#include "device/comm/timeout_record.h"
 #include "device/layout/comm_layout.h"
+#include "device/layout/error_record.h"
 #include "device/layout/expert_pool.h"
 #include "host/check.h"
+#include "host/comm_internal.h"
 #include "host/dispatch_internal.h"
 #include "host/heuristics.h"
 
@@ -54,6 +57,7 @@ std::string config_field_value(int field, int64_t v) {
   }
 }
 
+#ifdef EPMOE_TEST_HOOKS
 // The test hook detail::set_debug_never_arrive_rank: that rank's handle never launches its
 // kernels (docs/COMM.md). Read once at create.
 bool read_never_arrive(int rank) {
@@ -64,48 +68,19 @@ bool read_never_arrive(int rank) {
                rank);
   return true;
 }
+#endif
 
 }  // namespace
-
-namespace detail {
-
-Status all_gather_words(Communicator& comm, const int64_t* mine, int n, std::vector<int64_t>* all) {
-  const int R = comm.size();
-  all->assign(size_t(R) * n, 0);
-  cudaStream_t stream = nullptr;
-  int64_t* d = nullptr;
-  Status st = detail::cuda_status(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate",
-                                  __FILE__, __LINE__);
-  if (st.ok())
-    st = detail::cuda_status(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(int64_t) * n * (R + 1)), "cudaMalloc",
-                             __FILE__, __LINE__);
-  if (st.ok())
-    st = detail::cuda_status(cudaMemcpyAsync(d, mine, sizeof(int64_t) * n, cudaMemcpyHostToDevice, stream),
-                             "cudaMemcpyAsync(mine)", __FILE__, __LINE__);
-  if (st.ok())
-    st = detail::nccl_status(ncclAllGather(d, d + n, n, ncclInt64, comm.nccl(), stream), "ncclAllGather", __FILE__,
-                             __LINE__);
-  if (st.ok())
-    st = detail::cuda_status(cudaMemcpyAsync(all->data(), d + n, sizeof(int64_t) * all->size(),
-                                             cudaMemcpyDeviceToHost, stream),
-                             "cudaMemcpyAsync(all)", __FILE__, __LINE__);
-  if (st.ok()) st = detail::cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
-  if (d) cudaFree(d);
-  if (stream) cudaStreamDestroy(stream);
-  return st;
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
-  return out;
-}
-
-}  // namespace detail
 
 namespace {
 
 using detail::rank_list;
+
+// The bound of the create-time exchanges: the config's own, or the default where it is invalid
+// (validate() reports that, after the exchange, on every rank alike).
+double host_timeout(const DispatchConfig& c) {
+  return c.timeout_seconds > 0 && c.timeout_seconds <= 3600 ? c.timeout_seconds : kDefaultHostTimeoutSeconds;
+}
 
 // Collective (host sync is fine at create). Why before any local check that can fail: a rank that
 // returned early would leave the others blocked in this all-gather or in alloc_symmetric.
@@ -123,7 +98,7 @@ Status check_config_across_ranks(Communicator& comm, const DispatchConfig& c, co
                            external_pool && misaligned(external_pool, layout::kRegionAlign) ? 1 : 0};
   const int R = comm.size();
   std::vector<int64_t> all;
-  const Status st = detail::all_gather_words(comm, mine, n, &all);
+  const Status st = detail::all_gather_words(comm, mine, n, &all, host_timeout(c));
   if (!st.ok()) return Status(st.code(), "DispatchHandle::create: exchanging the config across ranks: " + st.message());
 
   std::ostringstream os;
@@ -163,7 +138,7 @@ Status check_config_across_ranks(Communicator& comm, const DispatchConfig& c, co
 }  // namespace
 
 struct DispatchHandle::Impl {
-  Communicator* comm = nullptr;
+  std::unique_ptr<Communicator> comm;  // a share of the caller's (detail::CommAccess::share)
   DispatchConfig cfg;
   layout::CommShape shape{};
   layout::ExpertPoolLayout pool_layout{};
@@ -175,24 +150,60 @@ struct DispatchHandle::Impl {
   heuristics::TuningOverrides overrides;  // detail::tuning_overrides(), copied at create
   bool never_arrive = false;  // the never-arrive test hook names this rank, read once at create
   int64_t last_tokens = -1;
-  // Where a device-side wait that expires reports (mapped pinned host memory: readable after the
-  // trap has killed the context). Host view and the device address the kernels get.
-  comm::CommTimeoutRecord* timeout_record = nullptr;
-  comm::CommTimeoutRecord* timeout_record_dev = nullptr;
+  // What the kernels report without a sync (layout/error_record.h): mapped pinned host memory,
+  // readable after the trap has killed the context. Host view and the device address.
+  layout::DeviceErrorRecord* record = nullptr;
+  layout::DeviceErrorRecord* record_dev = nullptr;
+  uint32_t routing_seq_reported = 0;  // the RoutingRecord sequence last turned into a Status
   unsigned long long* phase_ts = nullptr;  // benchmark only (DispatchAccess::set_phase_stamps)
-  bool timeout_printed = false;  // check_errors printed the record once already
+  bool timeout_printed = false;  // the record's line went to stderr once already
 
   ~Impl() {
     // Collective, like alloc_symmetric: every rank destroys its handle. Why log: a destructor cannot
     // return a Status, and a failed free only leaks until the Communicator goes away.
     if (sym) {
-      const Status st = comm->free_symmetric(sym);
+      const Status st = comm->free_symmetric(sym, host_timeout(cfg));
       if (!st.ok())
         std::fprintf(stderr, "[epmoe] ~DispatchHandle on rank %d: %s\n", comm->rank(), st.to_string().c_str());
     }
-    if (local_ws) cudaFree(local_ws);
-    if (owns_pool && pool) cudaFree(pool);
-    if (timeout_record) cudaFreeHost(timeout_record);
+    // Why not after a device timeout (the context is lost: cudaFree would only fail) or on a
+    // broken communicator (cudaFree waits for the device, where a collective may never end).
+    const bool lost = (record && record->timeout.valid) || (comm && detail::CommAccess::broken(*comm));
+    if (!lost) {
+      if (local_ws) cudaFree(local_ws);
+      if (owns_pool && pool) cudaFree(pool);
+    }
+    if (record) cudaFreeHost(record);
+  }
+  // The timeout record's line (also printed to stderr once when the kernel could not print it).
+  std::string timeout_line() {
+    layout::TimeoutRecord r;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::memcpy(&r, const_cast<const layout::TimeoutRecord*>(&record->timeout), sizeof(r));
+    char line[320];
+    layout::format_timeout_record(r, line, sizeof(line));
+    if (!r.printed && !timeout_printed) std::fprintf(stderr, "%s\n", line);
+    timeout_printed = true;
+    return line;
+  }
+  bool timeout_recorded() const {
+    const volatile layout::TimeoutRecord* r = record ? &record->timeout : nullptr;
+    return r && r->valid;
+  }
+  // The routing report the host has not returned yet, if any (the seqlock's reader). Returns
+  // how many calls reported bad routing since the last one returned (the record keeps the latest).
+  uint32_t take_routing(layout::RoutingRecord* out) {
+    if (!record) return 0;
+    const volatile layout::RoutingRecord* v = &record->routing;
+    const uint32_t seq = v->seq;
+    if ((seq & 1u) || seq == routing_seq_reported) return 0;  // nothing new, or being written
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::memcpy(out, const_cast<const layout::RoutingRecord*>(&record->routing), sizeof(*out));
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (v->seq != seq) return 0;  // rewritten meanwhile: the next look gets the newer one
+    const uint32_t calls = (seq - routing_seq_reported) / 2u;
+    routing_seq_reported = seq;
+    return calls;
   }
   comm::PeerPtrs peers() const {
     comm::PeerPtrs p{};
@@ -200,6 +211,9 @@ struct DispatchHandle::Impl {
     return p;
   }
   uint64_t timeout_ns() const { return uint64_t(cfg.timeout_seconds * 1e9); }
+  uint32_t* status_word() const {
+    return reinterpret_cast<uint32_t*>(local_ws + layout::CommLocalLayout{shape}.status_offset());
+  }
   // The grid of a dispatch or combine launch (heuristics::choose_comm_blocks).
   int blocks_for(int64_t tokens, int warps_per_block) const {
     heuristics::CommShape s;
@@ -244,45 +258,55 @@ int64_t DispatchHandle::pool_bytes_for(const Communicator& comm, const DispatchC
 
 Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std::unique_ptr<DispatchHandle>* out,
                               void* external_pool) {
+  if (!out) return detail::invalid("DispatchHandle::create: out is null");
   // Every rank fails together: on a config that differs between ranks, on any rank's misaligned
   // external pool, and (the configs being equal) on an invalid config.
   EPMOE_RETURN_IF_ERROR(check_config_across_ranks(comm, cfg, external_pool));
   EPMOE_RETURN_IF_ERROR(validate(comm, cfg));
   auto m = std::make_unique<Impl>();
-  m->comm = &comm;
+  m->comm = detail::CommAccess::share(comm);
   m->cfg = cfg;
   m->shape = comm_shape(comm.size(), cfg);
   m->pool_layout = pool_layout(comm.size(), cfg);
-  int max_blocks = 0;
-  EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
-  m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < max_blocks ? cfg.num_blocks : max_blocks;
   m->overrides = detail::tuning_overrides();
+#ifdef EPMOE_TEST_HOOKS
   m->never_arrive = read_never_arrive(comm.rank());
-
-  const layout::CommSymLayout sym{m->shape};
-  const layout::CommLocalLayout loc{m->shape};
-  EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->local_ws), size_t(loc.num_bytes())));
-  EPMOE_CUDA_RETURN(cudaMemset(m->local_ws, 0, size_t(loc.num_bytes())));
-  // The timeout record: one per handle, zeroed, its device address in the params and in the
-  // workspace slot that WaitSites built from the status word alone read (comm/wait.h).
-  EPMOE_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&m->timeout_record), sizeof(comm::CommTimeoutRecord),
-                                  cudaHostAllocMapped));
-  std::memset(static_cast<void*>(m->timeout_record), 0, sizeof(comm::CommTimeoutRecord));
-  EPMOE_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&m->timeout_record_dev), m->timeout_record, 0));
-  EPMOE_CUDA_RETURN(cudaMemcpy(m->local_ws + loc.timeout_record_offset(), &m->timeout_record_dev,
-                               sizeof(m->timeout_record_dev), cudaMemcpyHostToDevice));
-  if (external_pool) {
-    m->pool = static_cast<char*>(external_pool);
-  } else {
-    EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->pool), size_t(m->pool_layout.num_bytes())));
-    m->owns_pool = true;
-  }
-  // Counts and offsets read before the first dispatch are zeros, not garbage.
-  EPMOE_CUDA_RETURN(cudaMemset(m->pool + m->pool_layout.expert_count_offset(), 0,
-                               size_t(m->pool_layout.num_bytes() - m->pool_layout.expert_count_offset())));
-  EPMOE_CUDA_RETURN(cudaDeviceSynchronize());
+#endif
+  // This rank's own allocations, then every rank learns whether all of them worked: a rank that
+  // returned alone would leave the others in alloc_symmetric. A failed rank's Impl frees what it got.
+  const Status local = [&]() -> Status {
+    int max_blocks = 0;
+    EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
+    m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < max_blocks ? cfg.num_blocks : max_blocks;
+    const layout::CommLocalLayout loc{m->shape};
+    EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->local_ws), size_t(loc.num_bytes())));
+    EPMOE_CUDA_RETURN(cudaMemset(m->local_ws, 0, size_t(loc.num_bytes())));
+    // The error record: one per handle, zeroed, the device address of its timeout part in the params
+    // and in the workspace slot that WaitSites built from the status word alone read (comm/wait.h).
+    EPMOE_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&m->record), sizeof(layout::DeviceErrorRecord),
+                                    cudaHostAllocMapped));
+    std::memset(static_cast<void*>(m->record), 0, sizeof(layout::DeviceErrorRecord));
+    EPMOE_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&m->record_dev), m->record, 0));
+    layout::TimeoutRecord* timeout_dev = &m->record_dev->timeout;
+    EPMOE_CUDA_RETURN(cudaMemcpy(m->local_ws + loc.timeout_record_offset(), &timeout_dev, sizeof(timeout_dev),
+                                 cudaMemcpyHostToDevice));
+    if (external_pool) {
+      m->pool = static_cast<char*>(external_pool);
+    } else {
+      EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->pool), size_t(m->pool_layout.num_bytes())));
+      m->owns_pool = true;
+    }
+    // Counts and offsets read before the first dispatch are zeros, not garbage.
+    EPMOE_CUDA_RETURN(cudaMemset(m->pool + m->pool_layout.expert_count_offset(), 0,
+                                 size_t(m->pool_layout.num_bytes() - m->pool_layout.expert_count_offset())));
+    EPMOE_CUDA_RETURN(cudaDeviceSynchronize());
+    return Status::Ok();
+  }();
+  EPMOE_RETURN_IF_ERROR(
+      detail::agree_on_status(comm, local, "DispatchHandle::create (local allocations)", host_timeout(cfg)));
   // Last, so that no rank-local failure above leaves the peers holding a symmetric buffer.
-  EPMOE_RETURN_IF_ERROR(comm.alloc_symmetric(size_t(sym.num_bytes()), &m->sym));
+  const layout::CommSymLayout sym{m->shape};
+  EPMOE_RETURN_IF_ERROR(comm.alloc_symmetric(size_t(sym.num_bytes()), &m->sym, host_timeout(cfg)));
   out->reset(new DispatchHandle(std::move(m)));
   return Status::Ok();
 }
@@ -362,7 +386,8 @@ comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, co
   p.local_ws = m.local_ws;
   p.pow2_scales = m.cfg.pow2_scales;
   p.timeout_ns = m.timeout_ns();
-  p.timeout_record = m.timeout_record_dev;
+  p.timeout_record = &m.record_dev->timeout;
+  p.routing_record = &m.record_dev->routing;
   p.phase_ts = m.phase_ts;
   return p;
 }
@@ -378,16 +403,40 @@ comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void
   p.sym = m.peers();
   p.local_ws = m.local_ws;
   p.timeout_ns = m.timeout_ns();
-  p.timeout_record = m.timeout_record_dev;
+  p.timeout_record = &m.record_dev->timeout;
   p.phase_ts = m.phase_ts;
   return p;
 }
 
 bool DispatchAccess::never_arrive(const DispatchHandle& h) { return h.impl_->never_arrive; }
 
-bool DispatchAccess::timeout_recorded(const DispatchHandle& h) {
-  const volatile comm::CommTimeoutRecord* r = h.impl_->timeout_record;
-  return r && r->valid;
+bool DispatchAccess::timeout_recorded(const DispatchHandle& h) { return h.impl_->timeout_recorded(); }
+
+Status DispatchAccess::take_device_error(DispatchHandle& h) {
+  DispatchHandle::Impl& m = *h.impl_;
+  if (m.timeout_recorded())
+    return Status(StatusCode::kTimeout,
+                  "rank " + std::to_string(m.comm->rank()) + ": an earlier call's device-side wait timed out and " +
+                      "trapped: " + m.timeout_line() +
+                      ". The CUDA context is lost; restart the process (every rank's record names what it waited on)");
+  layout::RoutingRecord r;
+  const uint32_t calls = m.take_routing(&r);
+  if (calls == 0) return Status::Ok();
+  char line[256];
+  layout::format_routing_record(r, line, sizeof(line));
+  std::string message = line;
+  if (calls > 1) message += "; " + std::to_string(calls) + " calls had bad routing since the last report";
+  return Status(StatusCode::kInvalidArgument, message);
+}
+
+layout::WatchdogParams DispatchAccess::watchdog(const DispatchHandle& h) {
+  const DispatchHandle::Impl& m = *h.impl_;
+  layout::WatchdogParams w{};
+  w.timeout_ns = m.timeout_ns();
+  w.record = &m.record_dev->timeout;
+  w.status = m.status_word();
+  w.rank = m.comm->rank();
+  return w;
 }
 
 void DispatchAccess::set_last_tokens(DispatchHandle& h, int64_t num_tokens) { h.impl_->last_tokens = num_tokens; }
@@ -403,22 +452,11 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
     os << "rank " << m.comm->rank() << ": ";
     // Why read the record now: a bounded wait that expires writes it (host memory) and traps, which
     // kills the context; the status word can no longer be read, the record still can.
-    const volatile comm::CommTimeoutRecord* vr = m.timeout_record;
-    if (vr && vr->valid) {
-      std::atomic_thread_fence(std::memory_order_acquire);
-      comm::CommTimeoutRecord r;
-      std::memcpy(&r, const_cast<const comm::CommTimeoutRecord*>(m.timeout_record), sizeof(r));
-      char line[256];
-      comm::format_timeout_record(r, line, sizeof(line));
-      // Why print here as well: the fused kernel cannot printf, so this is the line's only copy in
-      // the log unless the caller prints the Status.
-      if (!r.printed && !m.timeout_printed) std::fprintf(stderr, "%s\n", line);
-      m.timeout_printed = true;
-      os << "a device-side wait for a peer timed out and trapped: " << line
-         << ". Likely a peer rank stalled, died, skipped the call (the never-arrive test hook) or issued "
-         << "dispatch/combine/forward calls in a different order. cudaStreamSynchronize failed: "
-         << cudaGetErrorName(sync) << " (" << cudaGetErrorString(sync)
-         << "). The CUDA context is unusable after this; restart the process";
+    if (m.timeout_recorded()) {
+      os << "a device-side wait timed out and trapped: " << m.timeout_line()
+         << ". Likely a peer rank stalled, died, skipped the call or issued dispatch/combine/forward calls in a "
+         << "different order. cudaStreamSynchronize failed: " << cudaGetErrorName(sync) << " ("
+         << cudaGetErrorString(sync) << "). The CUDA context is unusable after this; restart the process";
       return Status(StatusCode::kTimeout, os.str());
     }
     os << "cudaStreamSynchronize failed: " << cudaGetErrorName(sync) << " (" << cudaGetErrorString(sync)
@@ -431,18 +469,16 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
   const layout::CommLocalLayout loc{m.shape};
   uint32_t word = 0;
   EPMOE_CUDA_RETURN(cudaMemcpy(&word, m.local_ws + loc.status_offset(), 4, cudaMemcpyDeviceToHost));
-  if (word == 0) return Status::Ok();
-  EPMOE_CUDA_RETURN(cudaMemset(m.local_ws + loc.status_offset(), 0, 4));
+  if (word != 0) EPMOE_CUDA_RETURN(cudaMemset(m.local_ws + loc.status_offset(), 0, 4));
+  // Bad routing comes from the host record (it names the slot); the status bit only says that
+  // some call had it, and a forward may have returned that report already.
+  const Status routing = detail::DispatchAccess::take_device_error(*this);
+  if ((word & comm::kStatusInternal) == 0) return routing;
   std::ostringstream os;
-  os << "rank " << m.comm->rank() << ": dispatch/combine recorded errors (status 0x" << std::hex << word << std::dec << "):";
-  if (word & comm::kStatusBadExpert)
-    os << " a topk_idx outside [-1, " << m.cfg.num_experts << ") (those slots were treated as masked);";
-  if (word & comm::kStatusTimeout) os << " a wait for a peer timed out;";
-  if (word & comm::kStatusInternal) os << " an internal row-index error (a bug);";
-  const StatusCode code = (word & comm::kStatusTimeout)    ? StatusCode::kTimeout
-                          : (word & comm::kStatusInternal) ? StatusCode::kInternal
-                                                           : StatusCode::kInvalidArgument;
-  return Status(code, os.str());
+  os << "rank " << m.comm->rank() << ": dispatch/combine recorded an internal row-index error (status 0x" << std::hex
+     << word << std::dec << "; a bug)";
+  if (!routing.ok()) os << "; also: " << routing.message();
+  return Status(StatusCode::kInternal, os.str());
 }
 
 }  // namespace epmoe

@@ -4,10 +4,9 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
-#include <vector>
 
 #include "device/comm/dispatch_params.h"
+#include "device/layout/error_record.h"
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "epmoe/status.h"
@@ -19,11 +18,19 @@ struct DispatchAccess {
   static comm::DispatchParams dispatch_params(const DispatchHandle& h, const void* x, const int32_t* topk_idx,
                                               const float* topk_weights, int64_t num_tokens);
   static comm::CombineParams combine_params(const DispatchHandle& h, void* y);
-  // The never-arrive test hook (detail::set_debug_never_arrive_rank) names this rank: launch nothing (the fused path must honour it too).
+  // Test builds: the never-arrive hook (detail::set_debug_never_arrive_rank) names this rank:
+  // launch nothing (the fused path must honour it too). Always false in other builds.
   static bool never_arrive(const DispatchHandle& h);
   // Whether a bounded device wait of this handle's kernels has written its timeout record (mapped
   // host memory: readable without a sync, also after the trap killed the context).
   static bool timeout_recorded(const DispatchHandle& h);
+  // What the kernels reported since the last call, read from host memory without a sync: kTimeout
+  // with the record's line (the context is lost), else kInvalidArgument naming the first
+  // out-of-range expert index of the latest call that had one (returned once), else Ok.
+  static Status take_device_error(DispatchHandle& h);
+  // The GEMM kernels' watchdog: this handle's timeout, error record, status word and rank, so a
+  // pipeline wait reports where the comm waits do.
+  static layout::WatchdogParams watchdog(const DispatchHandle& h);
   // The token count that a later combine() is checked against. The fused path dispatches without
   // dispatch(), so it records its own call here (-1: no dispatch this combine could pair with).
   static void set_last_tokens(DispatchHandle& h, int64_t num_tokens);
@@ -32,12 +39,5 @@ struct DispatchAccess {
   // The caller zeroes it before each call it wants to read and owns its memory.
   static void set_phase_stamps(DispatchHandle& h, unsigned long long* stamps);
 };
-
-// Collective over `comm` (every rank, same n, same order as other collective calls): gathers each
-// rank's n words into all[rank * n + i]. Synchronizes the host. Used for create-time agreement.
-Status all_gather_words(Communicator& comm, const int64_t* mine, int n, std::vector<int64_t>* all);
-
-// "rank 3" or "ranks 0, 2" for messages.
-std::string rank_list(const std::vector<int>& ranks);
 
 }  // namespace epmoe::detail

@@ -61,7 +61,11 @@ namespace epmoe::detail {
 namespace {
 std::mutex g_mu;
 heuristics::TuningOverrides g_overrides;
+#ifdef EPMOE_TEST_HOOKS
 int g_never_arrive_rank = -1;
+int g_stall_gemm_rank = -1;
+int g_fail_create_rank = -1;
+#endif
 }  // namespace
 
 void set_tuning_overrides(const heuristics::TuningOverrides& o) {
@@ -74,6 +78,7 @@ heuristics::TuningOverrides tuning_overrides() {
   return g_overrides;
 }
 
+#ifdef EPMOE_TEST_HOOKS
 void set_debug_never_arrive_rank(int rank) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_never_arrive_rank = rank;
@@ -83,5 +88,26 @@ int debug_never_arrive_rank() {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_never_arrive_rank;
 }
+
+void set_debug_stall_gemm_rank(int rank) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_stall_gemm_rank = rank;
+}
+
+int debug_stall_gemm_rank() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_stall_gemm_rank;
+}
+
+void set_debug_fail_create_rank(int rank) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_fail_create_rank = rank;
+}
+
+int debug_fail_create_rank() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_fail_create_rank;
+}
+#endif
 
 }  // namespace epmoe::detail

@@ -69,10 +69,21 @@ namespace epmoe::detail {
 void set_tuning_overrides(const heuristics::TuningOverrides& o);
 heuristics::TuningOverrides tuning_overrides();
 
-// Test hook: the DispatchHandle created on this rank launches no dispatch, combine or fused kernel,
-// so that its peers' bounded waits expire (docs/COMM.md, "Debug injection"). -1 (the default): off.
-// Read once by DispatchHandle::create.
+#ifdef EPMOE_TEST_HOOKS
+// Test hooks, compiled only with -DEPMOE_TEST_HOOKS=ON (tools/test.sh, tools/stage_gpu.sh); -1
+// (the default): off. Each is read once by the create call named.
+// never_arrive: the DispatchHandle created on this rank launches no dispatch, combine or fused
+// kernel, so its peers' bounded waits expire (DispatchHandle::create).
 void set_debug_never_arrive_rank(int rank);
 int debug_never_arrive_rank();
+// stall_gemm: the GEMM producers of the layer created on this rank issue nothing, so its GEMM
+// pipeline waits expire (MoELayer::create).
+void set_debug_stall_gemm_rank(int rank);
+int debug_stall_gemm_rank();
+// fail_create: MoELayer::create on this rank fails after its local allocations, as an out-of-memory
+// error would (MoELayer::create).
+void set_debug_fail_create_rank(int rank);
+int debug_fail_create_rank();
+#endif
 
 }  // namespace epmoe::detail

@@ -1,6 +1,9 @@
 // MoELayer: the pipeline (dispatch -> L1 + SwiGLU -> L2 -> combine, four kernels) and the fused
 // path (the same four stages in one cooperative megakernel, src/device/kernels/sm90_fused_moe.cuh).
 // Both are stream-ordered with no host sync, so a forward call can be captured in a CUDA graph.
+// Calls on different streams are serialized (an event at the end of each call; the next call on
+// another stream waits for it), and errors the kernels recorded in host memory come back from the
+// next forward without a sync.
 #include "epmoe/layer.h"
 
 #include <cuda_runtime_api.h>
@@ -14,6 +17,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "host/check.h"
+#include "host/comm_internal.h"
 #include "device/kernels/sm90_fused_launch.h"
 #include "host/dispatch_internal.h"
 #include "host/gemm.h"
@@ -26,10 +30,11 @@ using detail::invalid;
 
 namespace {
 
-// Device buffer owned by the layer; freed on destruction.
+// Device buffer owned by the layer; freed on destruction unless leaked (see ~PipelineLayer).
 struct DeviceBuffer {
   void* ptr = nullptr;
   ~DeviceBuffer() { if (ptr) cudaFree(ptr); }
+  void leak() { ptr = nullptr; }
   Status alloc(size_t bytes) {
     EPMOE_CUDA_RETURN(cudaMalloc(&ptr, bytes));
     return Status::Ok();
@@ -38,8 +43,11 @@ struct DeviceBuffer {
 
 class PipelineLayer final : public MoELayer, public detail::LayerInternals {
  public:
-  PipelineLayer(Communicator& comm, const LayerConfig& cfg) : comm_(comm), cfg_(cfg) {}
+  PipelineLayer(Communicator& comm, const LayerConfig& cfg) : comm_(detail::CommAccess::share(comm)), cfg_(cfg) {}
 
+  // Collective. Each step that can fail on one rank only ends in an agreement (a bounded
+  // all-gather of every rank's Status), so every rank fails together, with the failing ranks and
+  // causes in its message, and frees what it allocated.
   Status init() {
     DispatchConfig dc;
     dc.num_experts = cfg_.num_experts;
@@ -54,23 +62,33 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     dc.timeout_seconds = cfg_.timeout_seconds;
     // Why local allocations first: destroying a DispatchHandle is collective, so a rank that
     // fails after creating one would leave its peers waiting in their destructors.
-
-    const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
-    const size_t elem = cfg_.dtype == DType::kFP8 ? 1 : 2;
-    EPMOE_RETURN_IF_ERROR(w1_.alloc(size_t(g) * 2 * i * h * elem));
-    EPMOE_RETURN_IF_ERROR(w2_.alloc(size_t(g) * h * i * elem));
-    if (cfg_.dtype == DType::kFP8) {
-      EPMOE_RETURN_IF_ERROR(w1_scale_.alloc(size_t(g) * (2 * i / 128) * (h / 128) * sizeof(float)));
-      EPMOE_RETURN_IF_ERROR(w2_scale_.alloc(size_t(g) * (h / 128) * (i / 128) * sizeof(float)));
-    }
-    for (auto& e : stage_events_) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
-    EPMOE_RETURN_IF_ERROR(phase_ts_.alloc(sizeof(unsigned long long) * fused::kFusedPhaseCount));
-    EPMOE_RETURN_IF_ERROR(DispatchHandle::create(comm_, dc, &dispatch_));
+    const Status local = [&]() -> Status {
+      const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
+      const size_t elem = cfg_.dtype == DType::kFP8 ? 1 : 2;
+      EPMOE_RETURN_IF_ERROR(w1_.alloc(size_t(g) * 2 * i * h * elem));
+      EPMOE_RETURN_IF_ERROR(w2_.alloc(size_t(g) * h * i * elem));
+      if (cfg_.dtype == DType::kFP8) {
+        EPMOE_RETURN_IF_ERROR(w1_scale_.alloc(size_t(g) * (2 * i / 128) * (h / 128) * sizeof(float)));
+        EPMOE_RETURN_IF_ERROR(w2_scale_.alloc(size_t(g) * (h / 128) * (i / 128) * sizeof(float)));
+      }
+      for (auto& e : stage_events_) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
+      EPMOE_CUDA_RETURN(cudaEventCreateWithFlags(&done_event_, cudaEventDisableTiming));
+      EPMOE_RETURN_IF_ERROR(phase_ts_.alloc(sizeof(unsigned long long) * fused::kFusedPhaseCount));
+#ifdef EPMOE_TEST_HOOKS
+      if (detail::debug_fail_create_rank() == comm_->rank())
+        return Status(StatusCode::kCudaError, "out of memory (simulated by the fail-create test hook)");
+#endif
+      return Status::Ok();
+    }();
+    EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*comm_, local, "MoELayer::create (local allocations)",
+                                                  cfg_.timeout_seconds));
+    EPMOE_RETURN_IF_ERROR(DispatchHandle::create(*comm_, dc, &dispatch_));
 
     // Why plan here: every host step of the GEMMs that can fail (checks, the sm_90 check, tensor
     // maps, kernel attributes) runs now, so forward() cannot return between dispatch and combine
     // and leave the peers waiting. The pool and weight pointers are fixed from here on; the
     // expert counts/offsets are device arrays the kernels read at run time.
+    const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
     const ExpertPoolView pool = dispatch_->pool();
     const gemm::GroupedArgs args{g, pool.expert_count, pool.expert_offset, pool.max_rows, pool.scale_stride};
     Status planned = gemm::plan_l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_.ptr,
@@ -79,6 +97,13 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (planned.ok())
       planned = gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
                               static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_);
+    // Every GEMM wait of this layer is bounded by its timeout_seconds and reports into its error
+    // record, as the comm waits do.
+    layout::WatchdogParams watchdog = detail::DispatchAccess::watchdog(*dispatch_);
+#ifdef EPMOE_TEST_HOOKS
+    watchdog.debug_stall = detail::debug_stall_gemm_rank() == comm_->rank() ? 1 : 0;
+#endif
+    plan_l1_.params.watchdog = plan_l2_.params.watchdog = watchdog;
     // Why not fail create: the pipeline works without the megakernel; forward(kFused) reports this.
     fused_status_ = planned.ok() ? configure_fused() : Status::Ok();
     // The benchmark's and tests' forced choices (A/B measurements), as they stand now.
@@ -87,7 +112,16 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   ~PipelineLayer() override {
+    // The dispatch handle first (its destructor is the collective step), then the local buffers.
+    dispatch_.reset();
+    if (detail::CommAccess::broken(*comm_)) {
+      // Why leak: cudaFree waits for the device, where a collective a peer never joined may never
+      // end; the process is expected to exit.
+      for (DeviceBuffer* b : {&w1_, &w2_, &w1_scale_, &w2_scale_, &phase_ts_}) b->leak();
+      return;
+    }
     for (auto& e : stage_events_) if (e) cudaEventDestroy(e);
+    if (done_event_) cudaEventDestroy(done_event_);
   }
 
   Status load_weights(const ExpertWeights& w, cudaStream_t stream) override {
@@ -129,6 +163,11 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                  int64_t num_tokens, cudaStream_t stream, Path path) override {
     EPMOE_RETURN_IF_ERROR(validate_call(cfg_, num_tokens, x, topk_idx, topk_weights, y));
     if (!weights_loaded_) return invalid("forward: load_weights() has not been called");
+    // What the kernels recorded since the last call (host memory, no sync). A timeout means the
+    // context is lost: return it instead of launching. Bad routing of an earlier call is returned
+    // after this call has run as usual (its peers are waiting for it).
+    const Status earlier = detail::DispatchAccess::take_device_error(*dispatch_);
+    if (earlier.code() == StatusCode::kTimeout) return earlier;
     if (path == Path::kFused) {
       EPMOE_RETURN_IF_ERROR(fused_status_);
     }
@@ -138,10 +177,26 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // would fault, and this is the last point at which returning leaves no peer waiting.
     int device = -1;
     EPMOE_CUDA_RETURN(cudaGetDevice(&device));
-    if (device != comm_.device())
+    if (device != comm_->device())
       return invalid("forward: the current CUDA device is ", device, " but the layer lives on device ",
-                     comm_.device(), "; call cudaSetDevice(", comm_.device(), ") before forward");
+                     comm_->device(), "; call cudaSetDevice(", comm_->device(), ") before forward");
 
+    // One call at a time: a call on another stream than the last one waits for the last one's end.
+    EPMOE_RETURN_IF_ERROR(serialize(stream));
+    if (cfg_.strict_routing) EPMOE_RETURN_IF_ERROR(check_routing_strict(topk_idx, num_tokens, stream));
+    const Status ran = run(x, topk_idx, topk_weights, y, num_tokens, stream, path);
+    // Recorded whatever happened: a later call on another stream waits for whatever this one enqueued.
+    const Status ended = mark_end(stream);
+    if (!ran.ok()) return ran;
+    if (!ended.ok()) return ended;
+    return earlier.ok() ? Status::Ok()
+                        : Status(earlier.code(), earlier.message() + ". This call ran normally; the error is the "
+                                                                     "earlier call's");
+  }
+
+  // The launches of one forward call (after its checks).
+  Status run(const void* x, const int32_t* topk_idx, const float* topk_weights, void* y, int64_t num_tokens,
+             cudaStream_t stream, Path path) {
     timing_error_ = Status::Ok();
     if (timing_) {
       const Status st = detail::cuda_status(cudaEventRecord(stage_events_[0], stream), "cudaEventRecord",
@@ -230,6 +285,56 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   Status check_device_error(cudaStream_t stream) override { return dispatch_->check_errors(stream); }
 
+  // Orders this call after the previous one when it came on another stream. Under stream capture
+  // the wait and the record below are external event nodes: a replay of the graph waits for the
+  // last call before it and is waited for by the next one, whichever streams they use.
+  Status serialize(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      if (has_last_) EPMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, done_event_, cudaEventWaitExternal));
+    } else if (has_last_ && stream != last_stream_) {
+      EPMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, done_event_, 0));
+    }
+    return Status::Ok();
+  }
+  Status mark_end(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+    EPMOE_CUDA_RETURN(cudaEventRecordWithFlags(
+        done_event_, stream, capture != cudaStreamCaptureStatusNone ? cudaEventRecordExternal : cudaEventRecordDefault));
+    has_last_ = true;
+    last_stream_ = stream;
+    return Status::Ok();
+  }
+
+  // Strict mode (LayerConfig::strict_routing, a debugging aid): copies this call's routing to the
+  // host, checks it, and agrees with every rank before any launch, so every rank returns the error
+  // (naming the rank and the slot) and none launches. Synchronizes `stream`.
+  Status check_routing_strict(const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+    Status mine;
+    if (capture != cudaStreamCaptureStatusNone) {
+      mine = invalid("forward: strict_routing copies the routing to the host and synchronizes, which a stream "
+                     "capture does not allow; create the layer without strict_routing to capture it");
+    } else {
+      routing_host_.resize(size_t(num_tokens) * cfg_.topk);
+      if (num_tokens > 0)
+        mine = detail::cuda_status(cudaMemcpyAsync(routing_host_.data(), topk_idx, routing_host_.size() * sizeof(int32_t),
+                                                   cudaMemcpyDeviceToHost, stream),
+                                   "cudaMemcpyAsync(topk_idx)", __FILE__, __LINE__);
+      if (mine.ok())
+        mine = detail::cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+      if (mine.ok()) {
+        const Status checked = validate_routing_host(cfg_, num_tokens, routing_host_.data());
+        if (!checked.ok()) mine = Status(checked.code(), "rank " + std::to_string(comm_->rank()) + ": " + checked.message());
+      }
+    }
+    return detail::agree_on_status(*comm_, mine, "forward (strict_routing): the routing check before launch",
+                                   cfg_.timeout_seconds);
+  }
+
   const LayerConfig& config() const override { return cfg_; }
 
   // detail::LayerInternals: for the benchmark and tests.
@@ -277,7 +382,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (!st.ok() && timing_error_.ok()) timing_error_ = st;
   }
 
-  Communicator& comm_;
+  std::unique_ptr<Communicator> comm_;  // a share of the caller's: it lives as long as this layer
   LayerConfig cfg_;
   std::unique_ptr<DispatchHandle> dispatch_;
   DeviceBuffer w1_, w2_, w1_scale_, w2_scale_;
@@ -285,9 +390,13 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   bool timing_ = false;
   Status timing_error_;  // first failed stage-event record of the last forward call
   cudaEvent_t stage_events_[5] = {};
+  cudaEvent_t done_event_ = nullptr;   // recorded at the end of every forward (serialize)
+  cudaStream_t last_stream_ = nullptr;  // the stream of the last forward
+  bool has_last_ = false;
+  std::vector<int32_t> routing_host_;  // strict mode's host copy of the routing
   DeviceBuffer phase_ts_;           // the megakernel's phase stamps (stage timing of Path::kFused)
   Path last_path_ = Path::kPipeline;
-  gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_.device()
+  gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_->device()
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel
   heuristics::TuningOverrides overrides_;  // detail::tuning_overrides() at create
@@ -299,26 +408,26 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   // Collective, after DispatchHandle::create: every rank learns whether planning the GEMMs and
-  // configuring the megakernel worked on every rank. Why: a rank that returned alone would leave its
-  // peers in the next collective step (or in the handle's collective destructor), and a fused
-  // kernel launched on some ranks only would trap the ranks that did launch.
+  // configuring the megakernel worked on every rank, and that strict_routing is the same
+  // everywhere. Why: a rank that returned alone would leave its peers in the next collective step
+  // (or in the handle's collective destructor), a fused kernel launched on some ranks only would
+  // trap the ranks that did launch, and strict mode's per-call agreement must run on all or none.
   Status agree_across_ranks(const Status& planned) {
-    const int64_t mine[2] = {planned.ok() ? 0 : 1, fused_status_.ok() ? 0 : 1};
+    EPMOE_RETURN_IF_ERROR(
+        detail::agree_on_status(*comm_, planned, "MoELayer::create (planning the expert GEMMs)", cfg_.timeout_seconds));
+    const int64_t mine[2] = {fused_status_.ok() ? 0 : 1, cfg_.strict_routing ? 1 : 0};
     std::vector<int64_t> all;
-    const Status st = detail::all_gather_words(comm_, mine, 2, &all);
+    const Status st = detail::all_gather_words(*comm_, mine, 2, &all, cfg_.timeout_seconds);
     if (!st.ok())
-      return Status(st.code(), "MoELayer::create: agreeing on the GEMM plans across ranks: " + st.message());
-    std::vector<int> plan_failed, fused_failed;
-    for (int r = 0; r < comm_.size(); ++r) {
-      if (all[size_t(r) * 2]) plan_failed.push_back(r);
-      if (all[size_t(r) * 2 + 1]) fused_failed.push_back(r);
+      return Status(st.code(), "MoELayer::create: agreeing on the megakernel across ranks: " + st.message());
+    std::vector<int> fused_failed, strict_on;
+    for (int r = 0; r < comm_->size(); ++r) {
+      if (all[size_t(r) * 2]) fused_failed.push_back(r);
+      if (all[size_t(r) * 2 + 1]) strict_on.push_back(r);
     }
-    if (!plan_failed.empty()) {
-      if (!planned.ok()) return planned;
-      return Status(StatusCode::kInternal, "MoELayer::create on rank " + std::to_string(comm_.rank()) +
-                                               ": planning the expert GEMMs failed on " +
-                                               detail::rank_list(plan_failed) + " (see the message there)");
-    }
+    if (!strict_on.empty() && int(strict_on.size()) != comm_->size())
+      return invalid("MoELayer::create on rank ", comm_->rank(), ": LayerConfig differs across ranks: strict_routing is "
+                     "true on ", detail::rank_list(strict_on), " only (every rank must pass the same config)");
     if (!fused_failed.empty()) {
       std::string why = "forward: path=fused is unavailable: configuring the megakernel failed on " +
                         detail::rank_list(fused_failed) + ", so no rank runs it (path=pipeline works)";
@@ -330,8 +439,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   // The megakernel's attributes and co-resident grid, on the current (the layer's) device.
   Status configure_fused() {
-    const cudaError_t e = cfg_.dtype == DType::kFP8 ? fused::configure_sm90_fused_moe_fp8(comm_.device(), &fused_grid_)
-                                                    : fused::configure_sm90_fused_moe_bf16(comm_.device(), &fused_grid_);
+    const cudaError_t e = cfg_.dtype == DType::kFP8 ? fused::configure_sm90_fused_moe_fp8(comm_->device(), &fused_grid_)
+                                                    : fused::configure_sm90_fused_moe_bf16(comm_->device(), &fused_grid_);
     if (e != cudaSuccess)
       return Status(StatusCode::kUnsupported, std::string("forward: path=fused is unavailable on this device: "
                                                           "configuring the megakernel failed: ") +

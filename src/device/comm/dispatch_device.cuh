@@ -49,16 +49,22 @@ __device__ __forceinline__ RoutingSlot load_routing(const DispatchParams& p, int
   }
   return r;
 }
+// An out-of-range index masks its slot and sets kStatusBadExpert; the first one of the call
+// (atomicMax of the call's epoch on `reported`) also goes to the host's routing record, which the
+// next forward reads without a sync.
 __device__ __forceinline__ void stage_routing(const DispatchParams& p, int t, const RoutingSlot& slot, SlotMeta* meta,
-                                              int32_t* cursor, uint32_t* status) {
+                                              int32_t* cursor, uint32_t* status, unsigned long long* reported,
+                                              uint64_t epoch) {
   const int K = p.shape.topk, E = p.shape.num_experts, lane = threadIdx.x & 31;
   if (lane >= K) return;
   int e = slot.expert;
   const float w = slot.weight;
   const bool bad = e < -1 || e >= E;
   if (bad) {
-    e = -1;
     ptx::red_or_relaxed_gpu(status, kStatusBadExpert);
+    if (p.routing_record && atomicMax(reported, static_cast<unsigned long long>(epoch)) < epoch)
+      layout::write_routing_record(p.routing_record, p.rank, epoch, t, lane, e, E);
+    e = -1;
   }
   const int pos = e >= 0 ? atomicAdd(&cursor[e], 1) : 0;
   SlotMeta m;

@@ -7,8 +7,8 @@
 #include <cstdint>
 
 #include "device/comm/peers.h"
-#include "device/comm/timeout_record.h"
 #include "device/layout/comm_layout.h"
+#include "device/layout/error_record.h"
 #include "device/layout/expert_pool.h"
 
 namespace epmoe::comm {
@@ -44,7 +44,10 @@ struct DispatchParams {
   char* local_ws;            // CommLocalLayout
   bool pow2_scales;
   uint64_t timeout_ns;
-  CommTimeoutRecord* timeout_record;  // mapped pinned host memory: where a wait that expires reports
+  // Mapped pinned host memory (layout/error_record.h): where a wait that expires reports, and
+  // where the first out-of-range expert index of a call is reported.
+  layout::TimeoutRecord* timeout_record;
+  layout::RoutingRecord* routing_record;
   unsigned long long* phase_ts;       // optional, [kCommPhaseCount] (see CommPhase)
 };
 
@@ -57,7 +60,7 @@ struct CombineParams {
   PeerPtrs sym;
   char* local_ws;
   uint64_t timeout_ns;
-  CommTimeoutRecord* timeout_record;  // the same record as the dispatch's
+  layout::TimeoutRecord* timeout_record;  // the same record as the dispatch's
   unsigned long long* phase_ts;       // optional, [kCommPhaseCount] (see CommPhase)
 };
 

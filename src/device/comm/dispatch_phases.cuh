@@ -126,7 +126,9 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
     if (chunk == 0) slot = load_routing(p, t);
     stage_token_chunk<kFp8>(p, t, chunk, me + sym.stage_x_offset(),
                             reinterpret_cast<float*>(me + sym.stage_scale_offset()));
-    if (chunk == 0) stage_routing(p, t, slot, meta, cursor, status);
+    if (chunk == 0)
+      stage_routing(p, t, slot, meta, cursor, status,
+                    reinterpret_cast<unsigned long long*>(ws + loc.routing_report_offset()), epoch);
   }
   diag::trace(diag::kDispStaged);
   grid_barrier(reinterpret_cast<uint32_t*>(ws + loc.grid_barrier_offset()), site);

@@ -1,10 +1,10 @@
 // Bounded spin-waits. A peer that never arrives must not hang the job: after the timeout the first
 // waiter of this rank to give up writes who waited on what (rank, block, thread, flag, expected,
-// seen, how long) into the handle's CommTimeoutRecord, which lives in mapped pinned host memory,
-// and traps. Kernels that may printf also print the line.
+// seen, how long) into the handle's layout::TimeoutRecord, which lives in mapped pinned host
+// memory, and traps. Kernels that may printf also print the line.
 // Why trap and not return: the other blocks and ranks are spinning on this one; unwinding them all
 // cleanly is not possible, and a hang is worse than a dead context. The trap is fatal to the CUDA
-// context, but host memory stays readable: check_errors finds the record after its failed sync and
+// context, but host memory stays readable: the next forward (or check_errors) finds the record and
 // returns it as a kTimeout Status (docs/COMM.md, "Errors and timeouts").
 #pragma once
 
@@ -12,8 +12,8 @@
 #include <cstdio>
 
 #include "device/comm/status_bits.h"
-#include "device/comm/timeout_record.h"
 #include "device/layout/comm_layout.h"
+#include "device/layout/error_record.h"
 #include "device/ptx/fence.cuh"
 #include "device/ptx/ld_st.cuh"
 
@@ -25,57 +25,19 @@ struct WaitSite {
   int rank;
   uint64_t timeout_ns;
   uint32_t* status;                      // the device status word (CommLocalLayout); may be null
-  CommTimeoutRecord* record = nullptr;   // host-mapped; null: the one next to `status`, if any
+  layout::TimeoutRecord* record = nullptr;  // host-mapped; null: the one next to `status`, if any
 };
 
 namespace wait_detail {
 
-// How long a thread that timed out second gives the first one to finish its record (and line)
-// before trapping. Why bounded: the reporter may itself be stuck behind a dead PCIe link.
-inline constexpr uint64_t kReportGraceNs = 200ull * 1000 * 1000;
-
-__device__ __forceinline__ CommTimeoutRecord* record_of(const WaitSite& site) {
+__device__ __forceinline__ layout::TimeoutRecord* record_of(const WaitSite& site) {
   if (site.record || !site.status) return site.record;
   // Why: a site built from (rank, timeout, status) alone, as the fused kernel's grid barriers do,
   // still reaches the record: status points at the control words of the local workspace, whose
   // timeout_record slot the handle filled at create.
   const layout::CommLocalLayout loc{};
   const char* ws = reinterpret_cast<const char*>(site.status) - loc.status_offset();
-  return *reinterpret_cast<CommTimeoutRecord* const*>(ws + loc.timeout_record_offset());
-}
-
-// True for the first thread of this rank's kernels to time out: the status word (device memory)
-// arbitrates, not the record, because atomics on mapped host memory are not atomic over PCIe.
-__device__ __forceinline__ bool claim_report(const WaitSite& site) {
-  if (!site.status) return true;
-  return (ptx::atom_or_relaxed_gpu(site.status, kStatusTimeout) & kStatusTimeout) == 0;
-}
-
-__device__ __forceinline__ void write_record(volatile CommTimeoutRecord* r, const WaitSite& site, const char* flag,
-                                             int index, uint64_t expected, uint64_t seen, uint64_t waited_ns) {
-  r->rank = site.rank;
-  r->block = int(blockIdx.x);
-  r->thread = int(threadIdx.x);
-  r->index = index;
-  r->expected = expected;
-  r->seen = seen;
-  r->waited_ns = waited_ns;
-  r->timeout_ns = site.timeout_ns;
-  int i = 0;
-  for (; flag && i < kTimeoutFlagNameBytes - 1 && flag[i]; ++i) r->flag[i] = flag[i];
-  r->flag[i] = '\0';
-  // Why the fence before `valid`: a host that reads valid == 1 must see every field.
-  __threadfence_system();
-  r->valid = 1u;
-  __threadfence_system();
-}
-
-// A thread that lost the claim waits (bounded) until the reporter has finished, so that its own
-// trap does not tear the grid down while the record is half written.
-__device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done) {
-  const uint64_t start = ptx::globaltimer_ns();
-  while (*done == 0u && ptx::globaltimer_ns() - start < kReportGraceNs) {
-  }
+  return *reinterpret_cast<layout::TimeoutRecord* const*>(ws + loc.timeout_record_offset());
 }
 
 }  // namespace wait_detail
@@ -84,15 +46,18 @@ __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done)
 [[noreturn]] __device__ __noinline__ inline void wait_timed_out(const WaitSite& site, const char* flag, int index,
                                                                  uint64_t expected, uint64_t seen,
                                                                  uint64_t waited_ns) {
-  volatile CommTimeoutRecord* r = wait_detail::record_of(site);
-  const bool reporter = wait_detail::claim_report(site);
+  volatile layout::TimeoutRecord* r = wait_detail::record_of(site);
+  const bool reporter = layout::claim_timeout_report(site.status);
   if (r && !reporter) {
-    wait_detail::wait_for_reporter(&r->printed);
+    layout::wait_for_reporter(&r->printed);
     ptx::trap();
     __builtin_unreachable();
   }
-  if (r) wait_detail::write_record(r, site, flag, index, expected, seen, waited_ns);
-  printf("[epmoe] TIMEOUT rank %d block %d thread %d: flag %s[%d] expected >= %llu, seen %llu after %llu ms "
+  if (r)
+    layout::write_timeout_record(r, site.rank, layout::WaitRole::kComm, layout::WaitKind::kFlag,
+                                 layout::GemmWait::kNone, flag, index, -1,
+                                 expected, seen, waited_ns, site.timeout_ns);
+  printf("[epmoe] TIMEOUT rank %d block %d thread %d (comm): flag %s[%d] expected >= %llu, seen %llu after %llu ms "
          "(timeout %llu ms). Trapping: this CUDA context is lost. Likely a peer rank stalled, died, or issued "
          "dispatch/combine calls in a different order.\n",
          site.rank, int(blockIdx.x), int(threadIdx.x), flag, index, (unsigned long long)expected,
@@ -114,13 +79,15 @@ __device__ __forceinline__ void wait_for_reporter(const volatile uint32_t* done)
 // the host prints it (check_errors).
 [[noreturn]] __device__ __forceinline__ void wait_timed_out(const WaitSite& site, const char* flag, int index,
                                                             uint64_t expected, uint64_t seen, uint64_t waited_ns) {
-  volatile CommTimeoutRecord* r = wait_detail::record_of(site);
-  const bool reporter = wait_detail::claim_report(site);
+  volatile layout::TimeoutRecord* r = wait_detail::record_of(site);
+  const bool reporter = layout::claim_timeout_report(site.status);
   if (r) {
     if (reporter)
-      wait_detail::write_record(r, site, flag, index, expected, seen, waited_ns);
+      layout::write_timeout_record(r, site.rank, layout::WaitRole::kComm, layout::WaitKind::kFlag,
+                                 layout::GemmWait::kNone, flag, index, -1,
+                                   expected, seen, waited_ns, site.timeout_ns);
     else
-      wait_detail::wait_for_reporter(&r->valid);
+      layout::wait_for_reporter(&r->valid);
   }
   __threadfence_system();
   ptx::trap();

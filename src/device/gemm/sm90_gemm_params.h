@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "device/layout/error_record.h"
+
 namespace epmoe::gemm {
 
 // The tile every grouped GEMM kernel computes: 128 pool rows x 256 weight rows (B rows), as two
@@ -37,6 +39,10 @@ struct GroupedGemmParams {
   // Per call (0 in a plan): the weight tiles of experts with a single m-block are loaded with an
   // L2 evict-first policy (gemm::Sm90TmaProducer::load_b). Set for the smallest decode calls.
   int weights_evict_first;
+  // The bound of every pipeline wait and where a timeout reports (pipeline/sm90_watchdog.cuh).
+  // The layer sets it from LayerConfig::timeout_seconds and its error record; zero: the default
+  // bound, no record.
+  layout::WatchdogParams watchdog;
 };
 
 }  // namespace epmoe::gemm

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "device/gemm/sm90_gemm_params.h"
+#include "device/pipeline/sm90_tma_pipeline.cuh"
 
 namespace epmoe::gemm {
 
@@ -48,12 +49,15 @@ struct Sm90SmemLayout {
   // stage's arrival; the math warpgroups read it after their wait (Sm90TmaProducer::run).
   static constexpr uint32_t kClaimOffset = kTileInfoOffset + 16;
   static constexpr uint32_t claim_slot(uint32_t stage) { return kClaimOffset + stage * 4u; }
+  // The watchdog's bound (u64), at the offset from the barriers that pipeline::TmaPipeline fixes.
+  static constexpr uint32_t kWatchdogOffset = kBarOffset + pipeline::kWatchdogBoundFromBars;
+  static_assert(kClaimOffset + kStages * 4 <= kWatchdogOffset, "the claim slots overlap the watchdog's bound");
   // The plain epilogue's staging tiles, one per math warpgroup: 64 rows x 64 bf16 columns (one
   // quarter of the warpgroup's 64 x 256 block at a time), 16-byte chunks XOR-swizzled by row % 8.
   static constexpr uint32_t kEpiRowBytes = 128;
   static constexpr uint32_t kEpiTileBytes = 64 * kEpiRowBytes;
   // 1024-byte aligned: the deferred epilogue's TMA stores read 128-byte swizzled boxes from here.
-  static constexpr uint32_t kEpiOffset = (kClaimOffset + kStages * 4 + 1023) / 1024 * 1024;
+  static constexpr uint32_t kEpiOffset = (kWatchdogOffset + 8 + 1023) / 1024 * 1024;
   static constexpr uint32_t epi_offset(uint32_t math_wg) { return kEpiOffset + math_wg * kEpiTileBytes; }
   // The deferred L2 epilogue stages a whole 128 x 256 bf16 tile (64 KB) as eight 8 KB slabs
   // (slab j = math warpgroup j / 4, 64-column quarter j % 4; rows and chunks as in the staging

@@ -64,6 +64,8 @@ struct Sm90TmaProducer {
   // grid's atomics on one word at the same moment cost a one-token call ~4 us (measured at R = 1).
   __device__ void run(const uint32_t* ready = nullptr, uint32_t target = 0, uint32_t per_row = 0,
                       bool b_first = false, bool publish_tiles = false, uint32_t* claim = nullptr) {
+    // Test builds: the stall hook issues nothing, so this block's consumers time out.
+    if (pipeline::watchdog_stall()) return;
     ptx::prefetch_tensormap(tmap_a);
     ptx::prefetch_tensormap(tmap_b);
     const int num_k_blocks = p->k / kBlockK;
@@ -84,7 +86,7 @@ struct Sm90TmaProducer {
           const pipeline::PipelineState<kStages> first = st;
           const int ahead = min(kStages, num_k_blocks);
           for (; kb < ahead; ++kb) issue_b(tile, kb);
-          wait_or_report(w, need);
+          wait_or_report(ready, w, need, per_row);
           pipeline::PipelineState<kStages> s = first;
           for (int j = 0; j < ahead; ++j, ++s) {
             uint64_t* full = pipe.producer_barrier(s);
@@ -92,7 +94,7 @@ struct Sm90TmaProducer {
             issue_a(tile, j, full, s.index);
           }
         } else {
-          wait_or_report(w, need);
+          wait_or_report(ready, w, need, per_row);
         }
       }
       for (; kb < num_k_blocks; ++kb) issue(tile, kb);
@@ -114,9 +116,12 @@ struct Sm90TmaProducer {
   __device__ static bool is_ready(const uint32_t* w, uint32_t target) {
     return int32_t(ptx::ld_acquire_gpu(w) - target) >= 0;
   }
-  __device__ void wait_or_report(const uint32_t* w, uint32_t target) {
+  // w: ready + the tile's m-block (reported as its index); per_row > 0: the dispatch's arrival
+  // counters (fused L1), else L1's readiness counters (fused L2).
+  __device__ void wait_or_report(const uint32_t* ready, const uint32_t* w, uint32_t target, uint32_t per_row) {
     if (!wait_ready(w, target))
-      pipeline::report_timeout(pipeline::WaitSite::kProducerReady, st.index, st.phase, sched.next_linear);
+      pipeline::report_counter_timeout(per_row ? pipeline::WaitSite::kProducerArrive : pipeline::WaitSite::kProducerReady,
+                                       int(w - ready), target, ptx::ld_acquire_gpu(w), sched.next_linear);
     // Why: the rows were written with generic stores and are read next by TMA (async proxy).
     ptx::fence_proxy_async_global();
   }
@@ -126,8 +131,9 @@ struct Sm90TmaProducer {
     // even if they were ever allowed to wrap.
     if (is_ready(w, target)) return true;
     const uint64_t start = ptx::globaltimer_ns();
+    const uint64_t limit = pipeline::watchdog_timeout_ns();
     while (!is_ready(w, target)) {
-      if (ptx::globaltimer_ns() - start > pipeline::kWaitTimeoutNs) return false;
+      if (ptx::globaltimer_ns() - start > limit) return false;
       // Why: this thread shares its SM sub-partition with math warps, and up to a grid of
       // producers polls counters that the math warpgroups' releases also hit.
       ptx::nanosleep(64);

@@ -43,7 +43,8 @@
 //   tile claim counters (every claim returned before its block reached the barrier).
 //
 // Why no printf anywhere: a call in a kernel that issues wgmma serializes all wgmma (C7510),
-// hence EPMOE_COMM_WAIT_NO_PRINTF (timeouts are recorded in mapped host memory, then trap).
+// hence EPMOE_COMM_WAIT_NO_PRINTF. Every wait, comm and GEMM alike, is bounded by the layer's
+// timeout_seconds and reports in the same host-mapped record, then traps.
 #pragma once
 
 #ifndef EPMOE_COMM_WAIT_NO_PRINTF
@@ -222,7 +223,9 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       ptx::mbarrier_init(reinterpret_cast<uint64_t*>(smem + Layout::kDrainedBarOffset),
                          gemm::Sm90EpilogueDeferredBf16::kStorerThreads);
     }
-    pipe.init(gemm::kMathWarpgroups * 4);  // one arrive per math warp (its fence covers the two above)
+    // One arrive per math warp (its fence covers the two above). The watchdog (bound and record)
+    // is the layer's, the same for L1 and L2.
+    pipe.init(gemm::kMathWarpgroups * 4, p.l1.watchdog);
   }
   __syncthreads();
   diag::trace(diag::kFusedInit);

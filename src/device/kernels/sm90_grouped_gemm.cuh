@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                          Sm90EpilogueDeferredBf16::kStorerThreads);
     }
     // One arrive per math warp (its fence covers the two above).
-    pipe.init(Cfg::kEmptyArrivals);
+    pipe.init(Cfg::kEmptyArrivals, p.watchdog);
   }
   __syncthreads();
   sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, pipe, smem);

@@ -85,14 +85,17 @@ struct CommLocalLayout {
   EPMOE_HD int64_t dispatch_epoch_offset() const { return 16; }    // u64: calls completed
   EPMOE_HD int64_t combine_epoch_offset() const { return 24; }     // u64
   EPMOE_HD int64_t combine_done_arrive_offset() const { return 32; }  // u32: last-block counter, phase C
-  // u64: device address of this handle's comm::CommTimeoutRecord (mapped pinned host memory),
+  // u64: device address of this handle's layout::TimeoutRecord (mapped pinned host memory),
   // written once at create. Why here too (the params carry it as well): a WaitSite built only from
   // (rank, timeout, status word) finds it next to the status word (see comm/wait.h).
   EPMOE_HD int64_t timeout_record_offset() const { return 40; }
   // u64: the fused kernel's dispatch epoch whose pool counts and offsets are written (the block
   // that writes them releases it; every block acquires it before its GEMM tiles). Never reset.
   EPMOE_HD int64_t layout_epoch_offset() const { return 48; }
-  EPMOE_HD int64_t control_bytes() const { return 56; }
+  // u64: the last dispatch epoch whose first out-of-range expert index was reported (atomicMax
+  // elects one reporter per call; layout::RoutingRecord). Never reset.
+  EPMOE_HD int64_t routing_report_offset() const { return 56; }
+  EPMOE_HD int64_t control_bytes() const { return 64; }
 
   // [E] int32: per global expert, rows this rank sends there in the current call (atomic cursor).
   EPMOE_HD int64_t cursor_bytes() const { return int64_t(s.num_experts) * 4; }

@@ -1,22 +1,22 @@
 // The smem pipeline between one TMA producer thread and the math warps: per stage a "full"
 // mbarrier (TMA transactions land on it) and an "empty" mbarrier (each consumer warp arrives
-// once it no longer reads the stage). Every wait is bounded; a timeout is reported by sm90_watchdog.cuh.
+// once it no longer reads the stage). Every wait is bounded by the launch's watchdog bound; a
+// timeout is reported by sm90_watchdog.cuh.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
 
+#include "device/layout/error_record.h"
 #include "device/pipeline/pipeline_state.cuh"
+#include "device/pipeline/sm90_watchdog.cuh"
 #include "device/ptx/fence.cuh"
 #include "device/ptx/mbarrier.cuh"
 
 namespace epmoe::pipeline {
 
-// Why 10 s: a healthy stage turns over in microseconds; only a bug (a lost arrive, a TMA that
-// faults) waits this long, and trapping beats hanging the GPU for everyone.
-inline constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;
-
-// Waits for one mbarrier phase for at most kWaitTimeoutNs; false on timeout.
+// Waits for one mbarrier phase for at most the watchdog's bound (watchdog_timeout_ns); false on
+// timeout.
 // bar: the barrier's 32-bit shared-window address.
 // kSuspendNs > 0, for waits that usually last long (a producer ahead of its consumers, the
 // deferred epilogue's storer waiting for the next tile): each try suspends the thread for up to
@@ -32,8 +32,9 @@ template <uint32_t kSuspendNs = 0>
 __device__ __forceinline__ bool mbarrier_wait_bounded_s(uint32_t bar, uint32_t parity) {
   if (mbarrier_try_wait_once_s<kSuspendNs>(bar, parity)) return true;
   const uint64_t start = ptx::globaltimer_ns();
+  const uint64_t limit = watchdog_timeout_ns();
   while (!mbarrier_try_wait_once_s<kSuspendNs>(bar, parity)) {
-    if (ptx::globaltimer_ns() - start > kWaitTimeoutNs) return false;
+    if (ptx::globaltimer_ns() - start > limit) return false;
   }
   return true;
 }
@@ -41,8 +42,15 @@ __device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t pa
   return mbarrier_wait_bounded_s(ptx::smem_u32(bar), parity);
 }
 
+// The byte offset from the ring's barrier block (full[0]) of a u64 copy of the watchdog's bound,
+// which init() writes: the K loops' wait (consumer_wait_flag) reads it at [bars_s + this], an
+// immediate offset from an address the loop already holds, so the bound costs the loop's fast path
+// nothing. Layouts keep these 8 bytes free (Sm90SmemLayout::kWatchdogOffset).
+inline constexpr uint32_t kWatchdogBoundFromBars = 256;
+
 template <int kStages>
 struct TmaPipeline {
+  static_assert(2 * kStages * 8 <= int(kWatchdogBoundFromBars), "the ring's barriers overlap the watchdog's bound");
   using State = PipelineState<kStages>;
   uint64_t* full;   // [kStages]
   uint64_t* empty;  // [kStages]
@@ -56,8 +64,11 @@ struct TmaPipeline {
     return TmaPipeline{bars, bars + kStages, bars_s, bars_s + uint32_t(kStages) * 8u};
   }
 
-  // One thread, before the CTA-wide barrier that precedes any use.
-  __device__ void init(uint32_t consumer_arrivals) const {
+  // One thread, before the CTA-wide barrier that precedes any use. `watchdog`: the bound of every
+  // wait of this launch and where a timeout reports (zero: the default bound, no record).
+  __device__ void init(uint32_t consumer_arrivals, const layout::WatchdogParams& watchdog = {}) const {
+    watchdog_init(watchdog);
+    *reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(full) + kWatchdogBoundFromBars) = watchdog_timeout_ns();
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full[s], 1);  // the producer's arrive.expect_tx
       ptx::mbarrier_init(&empty[s], consumer_arrivals);
@@ -80,10 +91,11 @@ struct TmaPipeline {
   __device__ __forceinline__ bool consumer_wait(uint32_t bars_s, const State& st) const {
     return mbarrier_wait_bounded_s(bars_s + st.index * 8u, st.phase);
   }
-  // The convergent form for K loops: returns `failed` | 1 on timeout, and skips the wait when
+  // The convergent form for K loops: returns 1 on timeout, and skips the wait when
   // `failed` is already set (ptx::mbarrier_wait_parity_acquire_cta_bounded_s).
   __device__ __forceinline__ uint32_t consumer_wait_flag(uint32_t bars_s, const State& st, uint32_t failed) const {
-    return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + st.index * 8u, st.phase, kWaitTimeoutNs, failed);
+    return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + st.index * 8u, st.phase,
+                                                           bars_s + kWatchdogBoundFromBars, failed);
   }
   // The same two with the stage known at compile time (the FP8 K loop over whole rings): the
   // barrier addresses are constant offsets from bars_s. `mark` (nonzero) is what a wait that
@@ -92,7 +104,8 @@ struct TmaPipeline {
   __device__ __forceinline__ static uint32_t consumer_wait_flag_at(uint32_t bars_s, uint32_t phase, uint32_t failed,
                                                                    uint32_t mark) {
     static_assert(kStage < uint32_t(kStages), "stage index within the ring");
-    return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + kStage * 8u, phase, kWaitTimeoutNs, failed, mark);
+    return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + kStage * 8u, phase, bars_s + kWatchdogBoundFromBars,
+                                                           failed, mark);
   }
   template <uint32_t kStage>
   __device__ __forceinline__ static void consumer_release_at(uint32_t bars_s) {
