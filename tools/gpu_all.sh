@@ -234,6 +234,8 @@ if [ "$mode" = layer-peer ]; then
     EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$filter"
     EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
       --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
+    EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
+    [ "$R" -gt 2 ] && EPMOE_TEST_RANKS=2 step ranks2_faults 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
   fi
   tokens=${EPMOE_PEER_TOKENS:-1,128,1024,4096,8192}
   step "layer_peer_r${R}" 200 torchrun --standalone --nproc-per-node "$R" .gpu/peers/megamoe_layer.py --shape dsv3 --tokens "$tokens"
