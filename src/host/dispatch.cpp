@@ -172,8 +172,9 @@ struct DispatchHandle::Impl {
     if (!lost) {
       if (local_ws) cudaFree(local_ws);
       if (owns_pool && pool) cudaFree(pool);
+      // Not when lost either: cudaFreeHost synchronizes the device as cudaFree does.
+      if (record) cudaFreeHost(record);
     }
-    if (record) cudaFreeHost(record);
   }
   // The timeout record's line (also printed to stderr once when the kernel could not print it).
   std::string timeout_line() {

@@ -1,8 +1,8 @@
 // MoELayer: the pipeline (dispatch -> L1 + SwiGLU -> L2 -> combine, four kernels) and the fused
 // path (the same four stages in one cooperative megakernel, src/device/kernels/sm90_fused_moe.cuh).
 // Both are stream-ordered with no host sync, so a forward call can be captured in a CUDA graph.
-// Calls on different streams are serialized (an event at the end of each call; the next call on
-// another stream waits for it), and errors the kernels recorded in host memory come back from the
+// Calls on different streams are serialized (an event at the end of each call; the next call, on
+// whatever stream, waits for it), and errors the kernels recorded in host memory come back from the
 // next forward without a sync.
 #include "epmoe/layer.h"
 
@@ -163,11 +163,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                  int64_t num_tokens, cudaStream_t stream, Path path) override {
     EPMOE_RETURN_IF_ERROR(validate_call(cfg_, num_tokens, x, topk_idx, topk_weights, y));
     if (!weights_loaded_) return invalid("forward: load_weights() has not been called");
-    // What the kernels recorded since the last call (host memory, no sync). A timeout means the
-    // context is lost: return it instead of launching. Bad routing of an earlier call is returned
-    // after this call has run as usual (its peers are waiting for it).
-    const Status earlier = detail::DispatchAccess::take_device_error(*dispatch_);
-    if (earlier.code() == StatusCode::kTimeout) return earlier;
     if (path == Path::kFused) {
       EPMOE_RETURN_IF_ERROR(fused_status_);
     }
@@ -180,15 +175,30 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (device != comm_->device())
       return invalid("forward: the current CUDA device is ", device, " but the layer lives on device ",
                      comm_->device(), "; call cudaSetDevice(", comm_->device(), ") before forward");
+    // A communicator made unusable by a collective that timed out (an owned one is aborted, which
+    // may unmap the symmetric buffers): return its error instead of launching on them.
+    EPMOE_RETURN_IF_ERROR(detail::CommAccess::usable(*comm_, "forward"));
 
-    // One call at a time: a call on another stream than the last one waits for the last one's end.
-    EPMOE_RETURN_IF_ERROR(serialize(stream));
-    if (cfg_.strict_routing) EPMOE_RETURN_IF_ERROR(check_routing_strict(topk_idx, num_tokens, stream));
+    // What the kernels recorded since the last call (host memory, no sync). A timeout means the
+    // context is lost: return it instead of launching. Bad routing of an earlier call is returned
+    // after this call has run as usual (its peers are waiting for it). Taken after the checks that
+    // return without launching, and carried into any later error, so that the report is not lost.
+    const Status earlier = detail::DispatchAccess::take_device_error(*dispatch_);
+    if (earlier.code() == StatusCode::kTimeout) return earlier;
+    const auto with_earlier = [&](const Status& st) {
+      return earlier.ok() ? st : Status(st.code(), st.message() + "; also: " + earlier.message());
+    };
+
+    // One call at a time: every call waits for the last one's end (serialize).
+    if (const Status st = serialize(stream); !st.ok()) return with_earlier(st);
+    if (cfg_.strict_routing) {
+      if (const Status st = check_routing_strict(topk_idx, num_tokens, stream); !st.ok()) return with_earlier(st);
+    }
     const Status ran = run(x, topk_idx, topk_weights, y, num_tokens, stream, path);
     // Recorded whatever happened: a later call on another stream waits for whatever this one enqueued.
     const Status ended = mark_end(stream);
-    if (!ran.ok()) return ran;
-    if (!ended.ok()) return ended;
+    if (!ran.ok()) return with_earlier(ran);
+    if (!ended.ok()) return with_earlier(ended);
     return earlier.ok() ? Status::Ok()
                         : Status(earlier.code(), earlier.message() + ". This call ran normally; the error is the "
                                                                      "earlier call's");
@@ -285,17 +295,17 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   Status check_device_error(cudaStream_t stream) override { return dispatch_->check_errors(stream); }
 
-  // Orders this call after the previous one when it came on another stream. Under stream capture
-  // the wait and the record below are external event nodes: a replay of the graph waits for the
-  // last call before it and is waited for by the next one, whichever streams they use.
+  // Orders this call after the previous one, whatever stream it came on. Under stream capture the
+  // wait and the record below are external event nodes: a replay of the graph waits for the last
+  // call before it and is waited for by the next one, whichever streams they use. Why a wait even
+  // on the last call's stream: a graph replayed on another stream since then recorded the event
+  // there, which the host never sees (a same-stream wait on an event already behind is cheap).
   Status serialize(cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) {
-      if (has_last_) EPMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, done_event_, cudaEventWaitExternal));
-    } else if (has_last_ && stream != last_stream_) {
-      EPMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, done_event_, 0));
-    }
+    if (has_last_)
+      EPMOE_CUDA_RETURN(cudaStreamWaitEvent(
+          stream, done_event_, capture != cudaStreamCaptureStatusNone ? cudaEventWaitExternal : cudaEventWaitDefault));
     return Status::Ok();
   }
   Status mark_end(cudaStream_t stream) {
@@ -304,7 +314,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     EPMOE_CUDA_RETURN(cudaEventRecordWithFlags(
         done_event_, stream, capture != cudaStreamCaptureStatusNone ? cudaEventRecordExternal : cudaEventRecordDefault));
     has_last_ = true;
-    last_stream_ = stream;
     return Status::Ok();
   }
 
@@ -391,7 +400,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   Status timing_error_;  // first failed stage-event record of the last forward call
   cudaEvent_t stage_events_[5] = {};
   cudaEvent_t done_event_ = nullptr;   // recorded at the end of every forward (serialize)
-  cudaStream_t last_stream_ = nullptr;  // the stream of the last forward
   bool has_last_ = false;
   std::vector<int32_t> routing_host_;  // strict mode's host copy of the routing
   DeviceBuffer phase_ts_;           // the megakernel's phase stamps (stage timing of Path::kFused)
