@@ -460,12 +460,18 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 }  // namespace
 
 Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out) {
-  if (!out) return invalid("MoELayer::create: out is null");
-  EPMOE_RETURN_IF_ERROR(validate(cfg));
-  if (cfg.num_ranks != comm.size())
-    return invalid("num_ranks=", cfg.num_ranks, " must equal the communicator size ", comm.size());
-  EPMOE_RETURN_IF_ERROR(gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate));
+  // The exchanges below run on the communicator's device.
   EPMOE_CUDA_RETURN(cudaSetDevice(comm.device()));
+  // Why the configuration checks go through an agreement: a rank whose check fails and returns
+  // here would leave its peers waiting in their first collective until the timeout; agreed, every
+  // rank fails at once with every failing rank's message. The timeout of an invalid config is
+  // not used (the default instead).
+  Status local = out ? validate(cfg) : invalid("MoELayer::create: out is null");
+  if (local.ok() && cfg.num_ranks != comm.size())
+    local = invalid("num_ranks=", cfg.num_ranks, " must equal the communicator size ", comm.size());
+  if (local.ok()) local = gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate);
+  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(comm, local, "MoELayer::create (the configuration checks)",
+                                                local.ok() ? cfg.timeout_seconds : LayerConfig{}.timeout_seconds));
   auto layer = std::make_unique<PipelineLayer>(comm, cfg);
   EPMOE_RETURN_IF_ERROR(layer->init());
   *out = std::move(layer);
