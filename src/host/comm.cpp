@@ -264,6 +264,9 @@ Status Communicator::alloc_symmetric(size_t bytes, SymmetricBuffer** out, double
     checked = Status(StatusCode::kNcclError, os.str());
   }
   EPMOE_CUDA_RETURN(cudaMemsetAsync(b->ptr, 0, 16, m.stream));
+  // Why wait for the clearing before agreeing: the agreement runs on another stream, and a peer
+  // that leaves it may write into this buffer at once; the clearing must have landed by then.
+  EPMOE_CUDA_RETURN(cudaStreamSynchronize(m.stream));
   EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*this, checked, "alloc_symmetric (the NVLink write check)",
                                                 timeout_seconds));
   *out = &b->view;
