@@ -59,7 +59,8 @@ class MoELayer {
   /// Errors found on the device come back without a sync, from host memory the kernels write:
   /// - an out-of-range expert index masks its slot (the call completes); the next forward on this
   ///   rank that finds the report runs as usual and then returns kInvalidArgument naming the
-  ///   earlier call, token, slot and value (once). That call has run on every rank: do not
+  ///   earlier call, token, slot and value (once; not while `stream` is capturing a graph, where
+  ///   an error would end this rank's capture only). That call has run on every rank: do not
   ///   repeat it (a repeat on one rank only would leave its peers waiting);
   /// - a device-side wait that timed out (its kernel trapped; the context is lost): the next
   ///   forward returns kTimeout with the record's line (rank, block, thread, role, the word waited

@@ -413,13 +413,14 @@ bool DispatchAccess::never_arrive(const DispatchHandle& h) { return h.impl_->nev
 
 bool DispatchAccess::timeout_recorded(const DispatchHandle& h) { return h.impl_->timeout_recorded(); }
 
-Status DispatchAccess::take_device_error(DispatchHandle& h) {
+Status DispatchAccess::take_device_error(DispatchHandle& h, bool routing) {
   DispatchHandle::Impl& m = *h.impl_;
   if (m.timeout_recorded())
     return Status(StatusCode::kTimeout,
                   "rank " + std::to_string(m.comm->rank()) + ": an earlier call's device-side wait timed out and " +
                       "trapped: " + m.timeout_line() +
                       ". The CUDA context is lost; restart the process (every rank's record names what it waited on)");
+  if (!routing) return Status::Ok();
   layout::RoutingRecord r;
   const uint32_t calls = m.take_routing(&r);
   if (calls == 0) return Status::Ok();

@@ -183,7 +183,12 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // context is lost: return it instead of launching. Bad routing of an earlier call is returned
     // after this call has run as usual (its peers are waiting for it). Taken after the checks that
     // return without launching, and carried into any later error, so that the report is not lost.
-    const Status earlier = detail::DispatchAccess::take_device_error(*dispatch_);
+    // Not during a stream capture: an error there ends this rank's capture while its peers'
+    // captures go on; the report waits for the next call outside a capture.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+    const Status earlier =
+        detail::DispatchAccess::take_device_error(*dispatch_, capture == cudaStreamCaptureStatusNone);
     if (earlier.code() == StatusCode::kTimeout) return earlier;
     const auto with_earlier = [&](const Status& st) {
       return earlier.ok() ? st : Status(st.code(), st.message() + "; also: " + earlier.message());
