@@ -187,21 +187,22 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // captures go on; the report waits for the next call outside a capture.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-    const Status earlier =
-        detail::DispatchAccess::take_device_error(*dispatch_, capture == cudaStreamCaptureStatusNone);
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    const Status earlier = detail::DispatchAccess::take_device_error(*dispatch_, !capturing);
     if (earlier.code() == StatusCode::kTimeout) return earlier;
     const auto with_earlier = [&](const Status& st) {
       return earlier.ok() ? st : Status(st.code(), st.message() + "; also: " + earlier.message());
     };
 
     // One call at a time: every call waits for the last one's end (serialize).
-    if (const Status st = serialize(stream); !st.ok()) return with_earlier(st);
+    if (const Status st = serialize(stream, capturing); !st.ok()) return with_earlier(st);
     if (cfg_.strict_routing) {
-      if (const Status st = check_routing_strict(topk_idx, num_tokens, stream); !st.ok()) return with_earlier(st);
+      if (const Status st = check_routing_strict(topk_idx, num_tokens, stream, capturing); !st.ok())
+        return with_earlier(st);
     }
     const Status ran = run(x, topk_idx, topk_weights, y, num_tokens, stream, path);
     // Recorded whatever happened: a later call on another stream waits for whatever this one enqueued.
-    const Status ended = mark_end(stream);
+    const Status ended = mark_end(stream, capturing);
     if (!ran.ok()) return with_earlier(ran);
     if (!ended.ok()) return with_earlier(ended);
     return earlier.ok() ? Status::Ok()
@@ -305,19 +306,16 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // call before it and is waited for by the next one, whichever streams they use. Why a wait even
   // on the last call's stream: a graph replayed on another stream since then recorded the event
   // there, which the host never sees (a same-stream wait on an event already behind is cheap).
-  Status serialize(cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+  // `capturing`: whether `stream` is capturing a graph (forward asks once per call).
+  Status serialize(cudaStream_t stream, bool capturing) {
     if (has_last_)
-      EPMOE_CUDA_RETURN(cudaStreamWaitEvent(
-          stream, done_event_, capture != cudaStreamCaptureStatusNone ? cudaEventWaitExternal : cudaEventWaitDefault));
+      EPMOE_CUDA_RETURN(
+          cudaStreamWaitEvent(stream, done_event_, capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
     return Status::Ok();
   }
-  Status mark_end(cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-    EPMOE_CUDA_RETURN(cudaEventRecordWithFlags(
-        done_event_, stream, capture != cudaStreamCaptureStatusNone ? cudaEventRecordExternal : cudaEventRecordDefault));
+  Status mark_end(cudaStream_t stream, bool capturing) {
+    EPMOE_CUDA_RETURN(
+        cudaEventRecordWithFlags(done_event_, stream, capturing ? cudaEventRecordExternal : cudaEventRecordDefault));
     has_last_ = true;
     return Status::Ok();
   }
@@ -325,11 +323,9 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // Strict mode (LayerConfig::strict_routing, a debugging aid): copies this call's routing to the
   // host, checks it, and agrees with every rank before any launch, so every rank returns the error
   // (naming the rank and the slot) and none launches. Synchronizes `stream`.
-  Status check_routing_strict(const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+  Status check_routing_strict(const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream, bool capturing) {
     Status mine;
-    if (capture != cudaStreamCaptureStatusNone) {
+    if (capturing) {
       mine = invalid("forward: strict_routing copies the routing to the host and synchronizes, which a stream "
                      "capture does not allow; create the layer without strict_routing to capture it");
     } else {
