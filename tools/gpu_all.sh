@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|layer-peer|e2e-stats]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|layer-peer|e2e-stats|validate]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -227,6 +227,27 @@ fi
 # dispatch/combine routings, then the layer beside the MegaMoE peer (megamoe_layer.py, which runs
 # the peer, epmoe's pipeline and fused paths in one process group) at R = all GPUs and R = 2, DSV3
 # slice (EPMOE_PEER_TOKENS) and the Qwen3-like shape.
+# validate: where decode time goes (the layer at 0 / 1 / 8 / 128 tokens per rank, both paths, with
+# the per-stage split, DSV3 slice and Qwen3-like shape), then a tree's multi-rank checks on every
+# local GPU: the torch operator, the fault tests at R and at R = 2, the e2e subset, the
+# dispatch/combine routings and the Python package (the order puts the short steps first).
+if [ "$mode" = validate ]; then
+  R=$(nvidia-smi -L 2>/dev/null | wc -l)
+  whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
+  for shape in dsv3 qwen3; do
+    step "decode_${shape}_r$R" 120 "$bin/epmoe-bench" layer --ranks "$R" --shape "$shape" --path pipeline,fused \
+      --tokens 0,1,8,128 --partials bf16
+  done
+  [ -n "$whl" ] && EPMOE_GPU_TEST=python/tests/gpu_test_torch.py step "torch_op_r$R" 240 \
+    bash python/tests/gpu_run.sh --wheel "$whl" "$R"
+  EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
+  EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
+  EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
+    --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
+  [ "$R" -gt 2 ] && EPMOE_TEST_RANKS=2 step ranks2_faults 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
+  [ -n "$whl" ] && step "python_r$R" 240 bash python/tests/gpu_run.sh --wheel "$whl" "$R"
+  finish
+fi
 if [ "$mode" = layer-peer ]; then
   R=$(nvidia-smi -L 2>/dev/null | wc -l)
   whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
