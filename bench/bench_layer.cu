@@ -77,9 +77,23 @@ struct Options {
   int iters = 50, warmup = 10, sets = 4;
   bool graph = true;
   Output out;  // --json, --quiet
-  double peak_tflops = 0, hbm_gbs = 4200;
+  double peak_tflops = 0, hbm_gbs = 0;  // 0: by GPU (default_hbm_gbs)
   PartialPrecision partials = PartialPrecision::kFloat32;
 };
+
+// The HBM bandwidth of the roofline floor when --hbm-gbs is not given: what a device-to-device copy
+// reaches (read + write bytes per second) on the current GPU, measured on these machines (H100 SXM
+// ~3.0 TB/s, H200 ~4.2 TB/s). Why not the datasheet peak: no kernel reaches it, so a floor at it
+// would make every ratio look worse than the hardware allows. Told apart by memory size (H100 SXM
+// 80 GB, H200 141 GB).
+Status default_hbm_gbs(double* gbs) {
+  int dev = 0;
+  EPMOE_CUDA_RETURN(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  EPMOE_CUDA_RETURN(cudaGetDeviceProperties(&prop, dev));
+  *gbs = prop.totalGlobalMem > (size_t(100) << 30) ? 4200.0 : 3000.0;
+  return Status::Ok();
+}
 
 // What one rank receives and sends for one routing draw (host-side count, exact).
 struct Traffic {
@@ -173,6 +187,8 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   std::ostringstream out, jout;  // this rank's table (or JSON lines on stdout); its --json file lines
   Progress progress("layer", int(o.tokens.size()), o.out.quiet || me != 0);
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : (fp8 ? 1360.0 : 790.0);
+  double hbm_gbs = o.hbm_gbs;
+  if (hbm_gbs <= 0) EPMOE_RETURN_IF_ERROR(default_hbm_gbs(&hbm_gbs));
   const int64_t elem = fp8 ? 1 : 2;
   for (int T : o.tokens) {
     progress.step("tokens " + std::to_string(T));
@@ -211,7 +227,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     const double nvlink = (double(avg.tokens_in) * row_bytes + double(avg.partials_out) * H * (o.partials == PartialPrecision::kFloat32 ? 4 : 2)) / sets;
     const double weight_bytes = active * 3.0 * H * I * elem;
     const double act_bytes = rows * (2.0 * H * elem + 2.0 * I * elem + 4.0 * H) + 4.0 * T * H;
-    const double floor_us = std::max(flops / (peak * 1e12), (weight_bytes + act_bytes) / (o.hbm_gbs * 1e9)) * 1e6;
+    const double floor_us = std::max(flops / (peak * 1e12), (weight_bytes + act_bytes) / (hbm_gbs * 1e9)) * 1e6;
 
     // Why interleaved: the paths are timed call by call in turn (A, B, A, B, ...), not one after the
     // other. Measured: under sustained load the GPUs' clocks drop (power cap, 1.98 -> ~1.7 GHz), and
@@ -412,7 +428,7 @@ struct LayerFlags {
   int ranks = 0;
   bool ranks_given = false;  // else one rank per visible GPU
   int iters = 50, warmup = 10, sets = 4, graph = 1;
-  double peak_tflops = 0, hbm_gbs = 4200, timeout = 540;
+  double peak_tflops = 0, hbm_gbs = 0, timeout = 540;
 };
 
 int run_layer(const LayerFlags& f, const Output& output) {
@@ -455,6 +471,10 @@ int run_layer(const LayerFlags& f, const Output& output) {
   o.graph = f.graph != 0;
   o.peak_tflops = f.peak_tflops;
   o.hbm_gbs = f.hbm_gbs;
+  if (o.hbm_gbs < 0 || o.peak_tflops < 0) {
+    std::fprintf(stderr, "epmoe-bench layer: --hbm-gbs and --peak-tflops must be positive (or left out)\n");
+    return 2;
+  }
   if (o.iters < 1 || o.warmup < 0 || o.sets < 1) {
     std::fprintf(stderr, "epmoe-bench layer: --iters and --sets must be >= 1, --warmup >= 0\n");
     return 2;
@@ -487,8 +507,11 @@ int run_layer(const LayerFlags& f, const Output& output) {
                 o.shape.name.c_str(), o.shape.experts_per_rank, o.shape.hidden, o.shape.inter, o.shape.topk,
                 dt.c_str(), ref::routing_name(o.routing), partials.c_str(), ranks,
                 o.graph ? "CUDA graphs" : "direct launches", o.iters);
-    std::printf("  floor = max(FLOPs / %.0f TFLOP/s, HBM bytes / %.0f GB/s); NVLink MB = payload into+out of the rank\n",
-                o.peak_tflops > 0 ? o.peak_tflops : (o.dtype == DType::kFP8 ? 1360.0 : 790.0), o.hbm_gbs);
+    char hbm[64];
+    if (o.hbm_gbs > 0) std::snprintf(hbm, sizeof hbm, "%.0f GB/s", o.hbm_gbs);
+    else std::snprintf(hbm, sizeof hbm, "%s", "GB/s of the GPU (H100 3000, H200 4200)");
+    std::printf("  floor = max(FLOPs / %.0f TFLOP/s, HBM bytes / %s); NVLink MB = payload into+out of the rank\n",
+                o.peak_tflops > 0 ? o.peak_tflops : (o.dtype == DType::kFP8 ? 1360.0 : 790.0), hbm);
     std::printf("  rank  path      tokens  median_us    p10_us    p90_us  TFLOP/s       rows NVLink_MB  floor_us  /floor  stages\n");
   }
   LaunchOptions lo;
@@ -527,7 +550,9 @@ Run setup_layer(CLI::App& app) {
       ->expected(0, 1)
       ->default_str("1");
   app.add_option("--peak-tflops", f->peak_tflops, "roofline peak [default: 1360 fp8, 790 bf16]");
-  app.add_option("--hbm-gbs", f->hbm_gbs, "roofline HBM GB/s")->capture_default_str();
+  app.add_option("--hbm-gbs", f->hbm_gbs,
+                 "roofline HBM GB/s [default: by GPU, the device-to-device copy bandwidth measured on it: "
+                 "H100 3000, H200 4200]");
   app.add_option("--timeout", f->timeout, "seconds before the ranks are killed")->capture_default_str();
   app.footer("Prints per rank, path and token count: median / p10 / p90 us, TFLOP/s, rows, NVLink MB, the roofline "
              "floor and the per-stage split. Without a GPU it says so and exits 0.");
