@@ -185,6 +185,9 @@ def run_gpu(args) -> int:
         ("MoE module (int32)", lambda: moe(x, idx, w)),
         ("MoE module (int64)", lambda: moe(x, idx64, w)),
         ("epmoe.Layer(out=)", lambda: moe.layer(x, idx, w, out=out, path=args.path)),
+        # An explicit stream takes the DLPack path (each tensor read through a capsule).
+        ("Layer(out=, stream=)", lambda: moe.layer(x, idx, w, out=out, path=args.path,
+                                                   stream=torch.cuda.current_stream(dev))),
     ]
     rows = []
     with torch.inference_mode():

@@ -238,6 +238,14 @@ class Layer:
         handle = self._live_handle()
         path_code = choice_arg("path", path, PATHS)
         c = self.config
+        if stream is None and type(x).__module__.startswith("torch"):
+            from . import _torch_fast
+            taken, result, status = _torch_fast.forward(
+                _lib.lib().epmoe_layer_forward, handle, self.device, c.hidden, c.topk,
+                c.max_tokens_per_rank, x, topk_idx, topk_weights, out, path_code)
+            if taken:
+                _lib.check(status)
+                return result
         s, ds = _frameworks.resolve_stream(stream, x, self.device)
         xv = _checks.tensor(x, "x", dtypes=BF16, shape=(None, c.hidden), dims=("T", "hidden"),
                             device=self.device, stream=ds, align=16)

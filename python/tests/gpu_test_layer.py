@@ -281,6 +281,7 @@ def check_layer(res, cfg, rank, world, device, paths):
         err = rel_err(y, reference(cfg, x, idx, wts, w1d, w2d))
         res.record(f"forward out=None path={path}", y.shape == x.shape and err <= tol,
                    f"rel_err={err:.2e}")
+        check_hot_path(res, layer, cfg, rank, device, path, gen)
         check_graph(res, layer, cfg, rank, device, path, tol, w1d, w2d, gen)
         check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen)
         ok_paths.append(path)
@@ -384,6 +385,30 @@ def check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen):
     res.record(f"cupy inputs, out=None path={path}",
                isinstance(y, cupy.ndarray) and y.dtype == cupy.int16 and err <= tol,
                f"rel_err={err:.2e}")
+
+
+def check_hot_path(res, layer, cfg, rank, device, path, gen):
+    """Layer.__call__'s torch hot path (epmoe/_torch_fast.py) against the DLPack path, which an
+    explicit stream selects: bitwise the same output; and the host time of each (info)."""
+    import time
+    import torch
+    x, idx, wts = make_inputs(cfg, 5 + 2 * rank, gen, device)
+    y_fast = layer(x, idx, wts, path=path)
+    y_dlpack = layer(x, idx, wts, path=path, stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    res.record(f"torch hot path == DLPack path ({path})", torch.equal(y_fast, y_dlpack),
+               f"T={x.shape[0]}")
+    stream = torch.cuda.current_stream()
+    for name, kw in (("hot path", {}), ("DLPack path", {"stream": stream})):
+        torch.cuda.synchronize()
+        agree(True)  # every rank starts together: the calls are collective
+        t0 = time.perf_counter()
+        for _ in range(20):
+            layer(x, idx, wts, out=y_fast, path=path, **kw)
+        host_us = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+        res.record(f"host time per eager call, {name} ({path}, info)", True, f"{host_us:.1f} us")
+    layer.check_device_error()
 
 
 def check_graph(res, layer, cfg, rank, device, path, tol, w1d, w2d, gen):
