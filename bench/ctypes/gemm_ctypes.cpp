@@ -44,7 +44,7 @@ thread_local std::string t_last_error;
 
 int record(const Status& st) {
   if (st.ok()) return 0;
-  t_last_error = st.to_string();
+  t_last_error = st.message();
   return static_cast<int>(st.code());
 }
 
@@ -68,11 +68,6 @@ Status use_device(int device) {
   EPMOE_CUDA_RETURN(cudaGetDevice(&current));
   if (current != device) EPMOE_CUDA_RETURN(cudaSetDevice(device));
   return Status::Ok();
-}
-
-gemm::GroupedArgs grouped_args(int num_groups, const int* count, const int* offset, int64_t max_rows,
-                               int64_t scale_stride) {
-  return gemm::GroupedArgs{num_groups, count, offset, max_rows, scale_stride};
 }
 
 // Takes ownership of a finished plan (*out stays untouched on failure).
@@ -102,9 +97,9 @@ EPMOE_GEMM_CTYPES_EXPORT int epmoe_gemm_ctypes_plan_l2(int device, int num_group
                                                        epmoe_gemm_ctypes_plan** plan_out) {
   return guarded([&]() -> Status {
     if (plan_out == nullptr) return invalid("plan_l2: plan_out is null");
-    const gemm::GroupedArgs args = grouped_args(num_groups, expert_count, expert_offset, max_rows, scale_stride);
-    // The argument checks of plan_l2 first (no CUDA call), so a bad call fails the same way on
-    // any machine; then the device, then the plan for real.
+    const gemm::GroupedArgs args{num_groups, expert_count, expert_offset, max_rows, scale_stride};
+    // This call's own checks, then gemm::plan_l2's, all before the first CUDA call (with device
+    // -1), so a bad call fails the same way on any machine (the script's --dry-run relies on it).
     if (n <= 0 || n % 128 != 0 || k <= 0 || k % 128 != 0)
       return invalid("plan_l2: n=", n, " and k=", k, " must be positive multiples of 128");
     if (a == nullptr || a_scale == nullptr || b == nullptr || b_scale == nullptr || out == nullptr)
@@ -132,7 +127,7 @@ EPMOE_GEMM_CTYPES_EXPORT int epmoe_gemm_ctypes_plan_l1(
     if (plan_out == nullptr) return invalid("plan_l1: plan_out is null");
     if (n <= 0 || n % 256 != 0) return invalid("plan_l1: n=", n, " (2I weight rows) must be a positive multiple of 256");
     const int inter = n / 2;
-    const gemm::GroupedArgs args = grouped_args(num_groups, expert_count, expert_offset, max_rows, scale_stride);
+    const gemm::GroupedArgs args{num_groups, expert_count, expert_offset, max_rows, scale_stride};
     if (k <= 0 || k % 128 != 0) return invalid("plan_l1: k=", k, " must be a positive multiple of 128");
     if (x == nullptr || x_scale == nullptr || w1_user == nullptr || w1_scale_user == nullptr ||
         w1_internal == nullptr || w1_scale_internal == nullptr || row_weight == nullptr || a_out == nullptr ||

@@ -30,7 +30,8 @@ only (2 x rows x N x K), the same for every kernel.
 Layouts: epmoe reads activation scales MN-major, scale[k/128][row] with a row stride of the pool's
 rows; DeepGEMM takes them as a [rows][K/128] tensor. The scales are drawn as [rows][K/128] and
 transposed once (a_sf.t().contiguous()); --deepgemm-sf mn (default) hands DeepGEMM the transposed
-view of epmoe's buffer (MN-major with a 4-aligned stride, which DeepGEMM takes without a copy),
+view of epmoe's buffer (MN-major with a 4-aligned stride, the layout DeepGEMM's kernel reads, so
+it should need no copy; the kernels one call launches are listed per shape to show it),
 --deepgemm-sf rows the row-major tensor, as the peer script does (DeepGEMM then transposes it
 inside every call).
 
@@ -337,6 +338,12 @@ def run_shape(ctx, sh: Shape) -> dict:
         for p in plans.values():
             lib.launch(p, raw, 1)
         torch.cuda.synchronize()
+        if args.kernel_list:
+            # What one call of each puts on the GPU (DeepGEMM: one GEMM kernel, or a scale transpose
+            # before it if it did not take the scale view as it is).
+            rec["launched"] = {"deepgemm": kernels_launched(torch, dg_call),
+                               "epmoe_l2": kernels_launched(torch, lambda: lib.launch(plans["epmoe_l2"], raw, 1))}
+            print("  one call launches: " + "; ".join(f"{n}: {v}" for n, v in rec["launched"].items()), flush=True)
         check_outputs(torch, rec, t, sh, d_dg, d_l2, l1, args.tol)
         if rec["ok"]:
             time_in_turns(ctx, rec, sh, dg_call, plans)
@@ -345,6 +352,22 @@ def run_shape(ctx, sh: Shape) -> dict:
         for p in plans.values():
             lib.destroy(p)
     return rec
+
+
+def kernels_launched(torch, fn):
+    """The GPU activities of one fn() call (name: count) from torch's profiler, or why not."""
+    try:
+        from collections import Counter
+
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = Counter(e.name[:90] for e in prof.events()
+                        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+        return dict(names) if names else "none seen"
+    except Exception as ex:  # noqa: BLE001 (a diagnostic only)
+        return f"unknown ({ex!r})"[:200]
 
 
 def check_outputs(torch, rec, t, sh, d_dg, d_l2, l1, tol):
@@ -639,6 +662,8 @@ def parse_args(argv):
                    help="time CUDA-graph replays of each batch; auto: for shapes of <= 128 rows per group")
     p.add_argument("--deepgemm-sf", choices=["mn", "rows"], default="mn",
                    help="DeepGEMM's activation scales: epmoe's MN-major buffer (no copy) or row-major")
+    p.add_argument("--no-kernel-list", dest="kernel_list", action="store_false",
+                   help="skip listing (torch profiler) the GPU activities of one DeepGEMM and one epmoe call")
     p.add_argument("--tol", type=float, default=1e-2, help="bound of the rel err against the fp32 reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", type=int, default=0)
