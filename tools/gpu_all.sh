@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|layer-peer|e2e-stats|validate]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|gemm-peer-turns|layer-peer|e2e-stats|validate]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -189,6 +189,23 @@ if [ "$mode" = peer-ab ]; then
       ncu_export "ncu_ours_$e"
     done
   fi
+  finish
+fi
+# gemm-peer-turns: python/benchmarks/gemm_vs_deepgemm.py, which runs DeepGEMM's grouped FP8 GEMM and
+# this build's FP8 L2 and L1 kernels (libepmoe_gemm_ctypes.so) in one process on the same tensors,
+# checks the outputs against an fp32 reference and times the kernels in turns; once with randn data
+# and once with random e4m3 codes. EPMOE_TURNS_ARGS: more arguments (shapes G,M,N,K, --zipf,
+# --decode, --rounds, --iters). EPMOE_TURNS_TESTS=1: the GEMM tests first.
+if [ "$mode" = gemm-peer-turns ]; then
+  peer_setup || { summary+=("peer_setup: FAILED"); finish; }
+  [ "${EPMOE_TURNS_TESTS:-0}" = 1 ] && step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
+  # Why a longer limit for the first: DeepGEMM compiles its kernel for each shape on first use.
+  for data in randn codes; do
+    limit=180; [ "$data" = randn ] && limit=330
+    # shellcheck disable=SC2086
+    step "gemm_turns_$data" "$limit" python3 python/benchmarks/gemm_vs_deepgemm.py --data "$data" \
+      --lib "$bin/libepmoe_gemm_ctypes.so" --json "$out/gemm_turns_$data.json" ${EPMOE_TURNS_ARGS:-}
+  done
   finish
 fi
 if [ "$mode" = single ]; then

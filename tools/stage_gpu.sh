@@ -33,6 +33,10 @@ fi
 if [ -f "$build/python/libepmoe_c.so" ]; then
   cp "$build/python/libepmoe_c.so" .gpu/bin/ && strip --strip-debug .gpu/bin/libepmoe_c.so
 fi
+# The FP8 GEMMs behind ctypes, for python/benchmarks/gemm_vs_deepgemm.py (gpu_all.sh gemm-peer-turns).
+if [ -f "$build/libepmoe_gemm_ctypes.so" ]; then
+  cp "$build/libepmoe_gemm_ctypes.so" .gpu/bin/ && strip --strip-debug .gpu/bin/libepmoe_gemm_ctypes.so
+fi
 # The Python package as a wheel (py3-none: no CPython ABI), so the GPU run tests the installed package.
 python3 -m pip wheel -q --no-deps -w .gpu/bin -C cmake.define.EPMOE_EXTRA_RPATH="$gpu_rpath" ./python \
   >/dev/null 2>&1 || echo "stage_gpu: python wheel build failed"
