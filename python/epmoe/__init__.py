@@ -17,10 +17,13 @@ from ._lib import C_API_VERSION, library_path
 from .comm import Communicator, get_unique_id
 from .dispatch import Dispatcher
 from .layer import Layer, LayerConfig
+from .workspace import Workspace, WorkspaceConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Workspace",
+    "WorkspaceConfig",
     "Communicator", "CudaError", "DeviceArray", "DeviceTimeout", "Dispatcher", "Error",
     "InternalError", "InvalidArgument", "Layer", "LayerConfig", "LibraryError", "NcclError",
     "UnsupportedError", "get_unique_id", "library_path", "nccl_version", "version",

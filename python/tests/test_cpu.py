@@ -479,9 +479,9 @@ def test_strict_routing_reaches_the_c_struct():
     assert epmoe.LayerConfig(**GOOD).to_c().strict_routing == 0
     c = epmoe.LayerConfig(**GOOD, strict_routing=True).validate().to_c()
     assert c.strict_routing == 1
-    # The struct's size is the C ABI's (EPMOE_C_API_VERSION 3): a mismatch would shift every field.
+    # The struct's size is the C ABI's (EPMOE_C_API_VERSION 4): a mismatch would shift every field.
     assert ctypes.sizeof(_lib.LayerConfigC) == 56
-    assert _lib.C_API_VERSION == 3
+    assert _lib.C_API_VERSION == 4
 
 
 def test_strict_routing_must_be_a_bool():
@@ -496,3 +496,16 @@ def test_library_rejects_nonzero_reserved_field():
     with pytest.raises(epmoe.InvalidArgument) as e:
         _lib.call("epmoe_validate_config", ctypes.byref(c))
     assert "reserved=1 must be 0" in str(e.value)
+
+
+def test_workspace_config_checks_and_sizes():
+    from epmoe import WorkspaceConfig
+    from epmoe._errors import InvalidArgument
+    w = WorkspaceConfig(max_experts_per_rank=64, max_hidden=7168, max_intermediate=2048, max_topk=8,
+                        max_tokens_per_rank=1024, num_ranks=4)
+    w.validate()
+    z = w.sizes()
+    assert z["total"] == z["symmetric"] + z["local"] + z["pool"] > 0
+    with pytest.raises(InvalidArgument, match="max_hidden"):
+        WorkspaceConfig(max_experts_per_rank=64, max_hidden=100, max_intermediate=2048, max_topk=8,
+                        max_tokens_per_rank=1024, num_ranks=4).validate()
