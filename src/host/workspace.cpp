@@ -112,7 +112,8 @@ WorkspaceConfig workspace_config_for(const LayerConfig& l) {
 WorkspaceSizes workspace_sizes(const WorkspaceConfig& c) {
   const layout::CommShape s = detail::workspace_shape(c);
   WorkspaceSizes z;
-  z.symmetric = layout::CommSymLayout{s}.num_bytes();
+  // Why rounded: alloc_symmetric registers whole 4 KiB pages (NCCL's window alignment).
+  z.symmetric = (layout::CommSymLayout{s}.num_bytes() + 4095) / 4096 * 4096;
   z.local = layout::CommLocalLayout{s}.num_bytes();
   z.pool = detail::workspace_pool_bytes(c);
   return z;

@@ -139,7 +139,7 @@ TEST(Workspace, EveryFittingShapeHasTheWorkspaceOffsets) {
 TEST(Workspace, SizesAreTheLayoutsAndFlatInLayers) {
   const WorkspaceConfig w = ws_config();
   const WorkspaceSizes z = workspace_sizes(w);
-  EXPECT_EQ(z.symmetric, layout::CommSymLayout{detail::workspace_shape(w)}.num_bytes());
+  EXPECT_EQ(z.symmetric, (layout::CommSymLayout{detail::workspace_shape(w)}.num_bytes() + 4095) / 4096 * 4096);
   EXPECT_EQ(z.local, layout::CommLocalLayout{detail::workspace_shape(w)}.num_bytes());
   EXPECT_EQ(z.total(), z.symmetric + z.local + z.pool);
   // A workspace made for one layer is what MoELayer::create(comm, cfg) allocated before: the
@@ -147,7 +147,7 @@ TEST(Workspace, SizesAreTheLayoutsAndFlatInLayers) {
   const LayerConfig l = layer(256, 7168, 2048, 8);
   const WorkspaceSizes own = workspace_sizes(workspace_config_for(l));
   layout::CommShape s{4, 256, 7168, 8, 1024, true, 4};
-  EXPECT_EQ(own.symmetric, layout::CommSymLayout{s}.num_bytes());
+  EXPECT_EQ(own.symmetric, (layout::CommSymLayout{s}.num_bytes() + 4095) / 4096 * 4096);
   EXPECT_EQ(own.pool, layout::ExpertPoolLayout{layout::pool_shape_for(s, 2048, 128)}.num_bytes());
   // A BF16 workspace also holds FP8 layers: at least as large as both.
   WorkspaceConfig wb = w;
