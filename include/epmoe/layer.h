@@ -119,14 +119,16 @@ class MoELayer {
   /// Errors found on the device come back without a sync, from host memory the kernels write:
   /// - an out-of-range expert index masks its slot (the call completes); the next forward on this
   ///   rank that finds the report runs as usual and then returns kInvalidArgument naming the
-  ///   earlier call, token, slot and value (once);
+  ///   earlier call, token, slot and value (once; not while `stream` is capturing a graph, where
+  ///   an error would end this rank's capture only). That call has run on every rank: do not
+  ///   repeat it (a repeat on one rank only would leave its peers waiting);
   /// - a device-side wait that timed out (its kernel trapped; the context is lost): the next
   ///   forward returns kTimeout with the record's line (rank, block, thread, role, the word waited
   ///   on, expected and seen) without launching.
   ///
-  /// Calls on different streams are serialized: a call waits for the end of the previous call
-  /// when that one was issued on another stream (an event, also under CUDA graph capture), so
-  /// one layer may be used from several streams; they do not run concurrently.
+  /// Calls are serialized whatever streams they come on: each call waits for the end of the
+  /// previous one (an event, also under CUDA graph capture and across graph replays), so one
+  /// layer may be used from several streams; its calls do not run concurrently.
   virtual Status forward(const void* x, const int32_t* topk_idx, const float* topk_weights,
                          void* y, int64_t num_tokens, cudaStream_t stream, Path path) = 0;
   /// The same with int32 or int64 routing and the optional expert counts (ForwardArgs).

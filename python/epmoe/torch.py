@@ -244,15 +244,23 @@ def idx_to_int32(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def moe_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                layer: Any, path: str = "pipeline") -> torch.Tensor:
+                layer: Any, path: str | None = None) -> torch.Tensor:
     """y [T, H] bf16 of the layer `layer` (a :class:`MoE`, or a key from :func:`register_layer`).
+    `path`: "pipeline" or "fused"; by default the module's own (a :class:`MoE`) or "pipeline" (a
+    key). A path other than a module's own is refused: set ``MoE.path`` instead.
 
     Calls ``torch.ops.epmoe.moe_forward`` on torch's current stream. Collective: every rank
     calls it (with its own T, possibly 0). No host synchronization, so it can be captured in a
     CUDA graph and traced by ``torch.compile``. int64 `topk_idx` is narrowed to int32 on the device
     first (:func:`idx_to_int32`)."""
     if isinstance(layer, MoE):
+        if path is not None and path != layer.path:
+            raise InvalidArgument(
+                f"moe_forward: path={path!r} but the MoE module runs path={layer.path!r}; set "
+                "MoE.path, or pass its registry key instead of the module to choose per call")
         return layer(x, topk_idx, topk_weights)
+    if path is None:
+        path = "pipeline"
     if _plain_eager(x):
         return _bound(layer).forward(x, topk_idx, topk_weights, path)
     if topk_idx.dtype == _I64:

@@ -291,6 +291,19 @@ def test_moe_load_weights(moe):
     assert len(moe.pushed) == 2
 
 
+def test_moe_forward_with_a_module_takes_its_path(moe):
+    calls = []
+    moe._bound.c_forward = lambda *a: calls.append(a) or 0
+    moe._bound.raw_stream = lambda device: 5
+    x, idx, w = inputs(t=2)
+    et.moe_forward(x, idx, w, moe)  # no path: the module's own
+    et.moe_forward(x, idx, w, moe, "pipeline")
+    assert len(calls) == 2
+    with pytest.raises(epmoe.InvalidArgument, match="path='fused' but the MoE module runs path='pipeline'"):
+        et.moe_forward(x, idx, w, moe, "fused")
+    assert len(calls) == 2
+
+
 def test_moe_eager_calls_the_kernel_directly(moe):
     calls = []
     moe._bound.c_forward = lambda *a: calls.append(a) or 0

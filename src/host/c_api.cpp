@@ -390,14 +390,16 @@ int epmoe_comm_destroy(epmoe_comm* comm) {
     if (!comm) return Status::Ok();
     if (comm->comm) {
       DeviceGuard guard;
-      Status st = guard.enter(comm->device);  // free even if the device switch failed
+      // Free even if the device switch failed, and report success: the object is gone either way, and
+      // a non-OK return would tell the caller it still holds it (Python would free it again).
+      (void)guard.enter(comm->device);
       // Why close first: it fails (and frees nothing) while a layer or dispatch handle made from this
       // communicator lives; the wrapper then stays valid.
       EPMOE_RETURN_IF_ERROR(comm->comm->close());
       delete comm->comm;
       comm->comm = nullptr;
       delete comm;
-      return st;
+      return Status::Ok();
     }
     delete comm;
     return Status::Ok();
@@ -609,9 +611,10 @@ int epmoe_layer_destroy(epmoe_layer* layer) {
     std::unique_ptr<epmoe_layer> owned(layer);
     if (owned->layer) {
       DeviceGuard guard;
-      Status st = guard.enter(owned->comm->device);  // free even if the device switch failed
+      // Free even if the device switch failed, and report success (see epmoe_comm_destroy).
+      (void)guard.enter(owned->comm->device);
       delete owned->layer;
-      return st;
+      return Status::Ok();
     }
     return Status::Ok();
   });
@@ -696,9 +699,10 @@ int epmoe_dispatch_destroy(epmoe_dispatch* h) {
     std::unique_ptr<epmoe_dispatch> owned(h);
     if (owned->handle) {
       DeviceGuard guard;
-      Status st = guard.enter(owned->comm->device);  // free even if the device switch failed
+      // Free even if the device switch failed, and report success (see epmoe_comm_destroy).
+      (void)guard.enter(owned->comm->device);
       delete owned->handle;
-      return st;
+      return Status::Ok();
     }
     return Status::Ok();
   });

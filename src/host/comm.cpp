@@ -264,6 +264,9 @@ Status Communicator::alloc_symmetric(size_t bytes, SymmetricBuffer** out, double
     checked = Status(StatusCode::kNcclError, os.str());
   }
   EPMOE_CUDA_RETURN(cudaMemsetAsync(b->ptr, 0, 16, m.stream));
+  // Why wait for the clearing before agreeing: the agreement runs on another stream, and a peer
+  // that leaves it may write into this buffer at once; the clearing must have landed by then.
+  EPMOE_CUDA_RETURN(cudaStreamSynchronize(m.stream));
   EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*this, checked, "alloc_symmetric (the NVLink write check)",
                                                 timeout_seconds));
   *out = &b->view;
@@ -277,6 +280,9 @@ std::unique_ptr<Communicator> CommAccess::share(const Communicator& comm) {
 }
 
 bool CommAccess::broken(const Communicator& comm) { return comm.impl_ && comm.impl_->broken; }
+Status CommAccess::usable(const Communicator& comm, const char* what) {
+  return comm.impl_ ? comm.impl_->check_usable(what) : Status::Ok();
+}
 
 long CommAccess::other_holders(const Communicator& comm) { return comm.impl_ ? comm.impl_.use_count() - 1 : 0; }
 
@@ -302,10 +308,14 @@ Status CommAccess::all_gather_bytes(Communicator& comm, const void* mine, size_t
                      __FILE__, __LINE__);
   if (st.ok())
     st = nccl_status(ncclAllGather(d, d + bytes, bytes, ncclChar, m.comm, stream), "ncclAllGather", __FILE__, __LINE__);
+  if (st.ok()) st = m.wait_collective(stream, "the create-time exchange (an NCCL all-gather)", timeout_seconds);
+  // Why the copy back only after the bounded wait: a device-to-pageable copy returns only once it
+  // has completed, so enqueued behind the all-gather it would block this thread until a peer that
+  // never joins does, and the wait above would never run.
   if (st.ok())
     st = cuda_status(cudaMemcpyAsync(out->data(), d + bytes, out->size(), cudaMemcpyDeviceToHost, stream),
                      "cudaMemcpyAsync(all)", __FILE__, __LINE__);
-  if (st.ok()) st = m.wait_collective(stream, "the create-time exchange (an NCCL all-gather)", timeout_seconds);
+  if (st.ok()) st = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
   // Why not free after a timeout: cudaFree waits for the device, and a collective that a peer
   // never joined may never end (a borrowed communicator is not aborted).
   if (!m.broken) {

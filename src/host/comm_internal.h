@@ -20,6 +20,8 @@ struct CommAccess {
   static std::unique_ptr<Communicator> share(const Communicator& comm);
   // Whether a collective timed out or failed asynchronously (see Communicator's class comment).
   static bool broken(const Communicator& comm);
+  // Ok, or the error that made the communicator unusable (naming `what` and the rank).
+  static Status usable(const Communicator& comm, const char* what);
   // Holders of the state besides `comm` itself.
   static long other_holders(const Communicator& comm);
   // all_gather_bytes below.

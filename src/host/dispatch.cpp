@@ -182,8 +182,9 @@ WorkspaceState::~WorkspaceState() {
     if (local_ws) cudaFree(local_ws);
     if (owns_pool && pool) cudaFree(pool);
     if (done_event) cudaEventDestroy(done_event);
+    // Not when lost either: cudaFreeHost synchronizes the device as cudaFree does.
+    if (record) cudaFreeHost(record);
   }
-  if (record) cudaFreeHost(record);
 }
 
 uint32_t* WorkspaceState::status_word() const {
@@ -223,12 +224,13 @@ uint32_t WorkspaceState::take_routing(layout::RoutingRecord* out) {
   return calls;
 }
 
-Status WorkspaceState::take_device_error() {
+Status WorkspaceState::take_device_error(bool routing) {
   if (timeout_recorded())
     return Status(StatusCode::kTimeout,
                   "rank " + std::to_string(comm->rank()) + ": an earlier call's device-side wait timed out and " +
                       "trapped: " + timeout_line() +
                       ". The CUDA context is lost; restart the process (every rank's record names what it waited on)");
+  if (!routing) return Status::Ok();
   layout::RoutingRecord r;
   const uint32_t calls = take_routing(&r);
   if (calls == 0) return Status::Ok();
@@ -239,14 +241,15 @@ Status WorkspaceState::take_device_error() {
   return Status(StatusCode::kInvalidArgument, message);
 }
 
+// Why a wait even on the last call's stream: a graph replayed on another stream since then recorded
+// the event there, which the host never sees (a same-stream wait on an event already behind is
+// cheap).
 Status WorkspaceState::serialize(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) {
-    if (has_last) EPMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, done_event, cudaEventWaitExternal));
-  } else if (has_last && stream != last_stream) {
-    EPMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, done_event, 0));
-  }
+  if (has_last)
+    EPMOE_CUDA_RETURN(cudaStreamWaitEvent(
+        stream, done_event, capture != cudaStreamCaptureStatusNone ? cudaEventWaitExternal : cudaEventWaitDefault));
   return Status::Ok();
 }
 
@@ -256,7 +259,6 @@ Status WorkspaceState::mark_end(cudaStream_t stream) {
   EPMOE_CUDA_RETURN(cudaEventRecordWithFlags(
       done_event, stream, capture != cudaStreamCaptureStatusNone ? cudaEventRecordExternal : cudaEventRecordDefault));
   has_last = true;
-  last_stream = stream;
   return Status::Ok();
 }
 
@@ -472,7 +474,9 @@ bool DispatchAccess::never_arrive(const DispatchHandle& h) { return h.impl_->ws-
 
 bool DispatchAccess::timeout_recorded(const DispatchHandle& h) { return h.impl_->ws->timeout_recorded(); }
 
-Status DispatchAccess::take_device_error(DispatchHandle& h) { return h.impl_->ws->take_device_error(); }
+Status DispatchAccess::take_device_error(DispatchHandle& h, bool routing) {
+  return h.impl_->ws->take_device_error(routing);
+}
 
 layout::WatchdogParams DispatchAccess::watchdog(const DispatchHandle& h) {
   const DispatchHandle::Impl& m = *h.impl_;

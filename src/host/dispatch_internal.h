@@ -31,8 +31,9 @@ struct DispatchAccess {
   static bool timeout_recorded(const DispatchHandle& h);
   // What the kernels reported since the last call, read from host memory without a sync: kTimeout
   // with the record's line (the context is lost), else kInvalidArgument naming the first
-  // out-of-range expert index of the latest call that had one (returned once), else Ok.
-  static Status take_device_error(DispatchHandle& h);
+  // out-of-range expert index of the latest call that had one (returned once), else Ok. With
+  // `routing` false the routing report is left for a later call (only a timeout is returned).
+  static Status take_device_error(DispatchHandle& h, bool routing = true);
   // The GEMM kernels' watchdog: this handle's timeout, error record, status word and rank, so a
   // pipeline wait reports where the comm waits do.
   static layout::WatchdogParams watchdog(const DispatchHandle& h);

@@ -2,8 +2,8 @@
 // path (the same four stages in one cooperative megakernel, src/device/kernels/sm90_fused_moe.cuh).
 // Both are stream-ordered with no host sync, so a forward call can be captured in a CUDA graph.
 // A layer runs on a workspace's buffers (its own or a shared one: src/host/workspace_internal.h).
-// Calls on one workspace are serialized (an event at the end of each call; the next call on
-// another stream waits for it), and errors the kernels recorded in host memory come back from the
+// Calls on one workspace are serialized (an event at the end of each call; the next call, on
+// whatever stream, waits for it), and errors the kernels recorded in host memory come back from the
 // next forward on that workspace without a sync.
 #include "epmoe/layer.h"
 
@@ -233,11 +233,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       return invalid("forward: expert_counts_total=", static_cast<const void*>(a.expert_counts_total),
                      " must be 8-byte aligned");
     if (!by_reference_ && !weights_loaded_) return invalid("forward: load_weights() has not been called");
-    // What the kernels recorded since the last call (host memory, no sync). A timeout means the
-    // context is lost: return it instead of launching. Bad routing of an earlier call is returned
-    // after this call has run as usual (its peers are waiting for it).
-    const Status earlier = ws_->take_device_error();
-    if (earlier.code() == StatusCode::kTimeout) return earlier;
     if (path == Path::kFused) {
       EPMOE_RETURN_IF_ERROR(fused_status_);
     }
@@ -250,20 +245,40 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     if (device != comm_->device())
       return invalid("forward: the current CUDA device is ", device, " but the layer lives on device ",
                      comm_->device(), "; call cudaSetDevice(", comm_->device(), ") before forward");
+    // A communicator made unusable by a collective that timed out (an owned one is aborted, which
+    // may unmap the symmetric buffers): return its error instead of launching on them.
+    EPMOE_RETURN_IF_ERROR(detail::CommAccess::usable(*comm_, "forward"));
 
-    // One call at a time: a call on another stream than the last one waits for the last one's end.
-    EPMOE_RETURN_IF_ERROR(ws_->serialize(stream));
-    if (cfg_.strict_routing) EPMOE_RETURN_IF_ERROR(check_routing_strict(topk_idx, a.idx_type, num_tokens, stream));
+    // What the kernels recorded since the last call (host memory, no sync). A timeout means the
+    // context is lost: return it instead of launching. Bad routing of an earlier call is returned
+    // after this call has run as usual (its peers are waiting for it). Taken after the checks that
+    // return without launching, and carried into any later error, so that the report is not lost.
+    // Not during a stream capture: an error there ends this rank's capture while its peers'
+    // captures go on; the report waits for the next call outside a capture.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+    const Status earlier = ws_->take_device_error(capture == cudaStreamCaptureStatusNone);
+    if (earlier.code() == StatusCode::kTimeout) return earlier;
+    const auto with_earlier = [&](const Status& st) {
+      return earlier.ok() ? st : Status(st.code(), st.message() + "; also: " + earlier.message());
+    };
+
+    // One call at a time: every call waits for the last one's end (WorkspaceState::serialize).
+    if (const Status st = ws_->serialize(stream); !st.ok()) return with_earlier(st);
+    if (cfg_.strict_routing) {
+      if (const Status st = check_routing_strict(topk_idx, a.idx_type, num_tokens, stream); !st.ok())
+        return with_earlier(st);
+    }
     Status ran = run(x, topk_idx, a.idx_type, topk_weights, y, num_tokens, stream, path);
     // The expert counts: the pool's, written by this call's dispatch, copied (and summed) on the stream.
     if (ran.ok() && (a.expert_counts || a.expert_counts_total))
       ran = detail::cuda_status(kernels::launch_expert_counts(dispatch_->pool().expert_count, cfg_.experts_per_rank(),
                                                               a.expert_counts, a.expert_counts_total, stream),
                                 "launch_expert_counts", __FILE__, __LINE__);
-    // Recorded whatever happened: a later call on another stream waits for whatever this one enqueued.
+    // Recorded whatever happened: the next call waits for whatever this one enqueued.
     const Status ended = ws_->mark_end(stream);
-    if (!ran.ok()) return ran;
-    if (!ended.ok()) return ended;
+    if (!ran.ok()) return with_earlier(ran);
+    if (!ended.ok()) return with_earlier(ended);
     return earlier.ok() ? Status::Ok()
                         : Status(earlier.code(), earlier.message() + ". This call ran normally; the error is the "
                                                                      "earlier call's");
@@ -520,11 +535,18 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 }  // namespace
 
 Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out) {
-  if (!out) return invalid("MoELayer::create: out is null");
-  EPMOE_RETURN_IF_ERROR(validate(cfg));
-  if (cfg.num_ranks != comm.size())
-    return invalid("num_ranks=", cfg.num_ranks, " must equal the communicator size ", comm.size());
-  EPMOE_RETURN_IF_ERROR(gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate));
+  // The exchanges below run on the communicator's device.
+  EPMOE_CUDA_RETURN(cudaSetDevice(comm.device()));
+  // Why the configuration checks go through an agreement: a rank whose check fails and returns
+  // here would leave its peers waiting in their first collective until the timeout; agreed, every
+  // rank fails at once with every failing rank's message. The timeout of an invalid config is
+  // not used (the default instead).
+  Status local = out ? validate(cfg) : invalid("MoELayer::create: out is null");
+  if (local.ok() && cfg.num_ranks != comm.size())
+    local = invalid("num_ranks=", cfg.num_ranks, " must equal the communicator size ", comm.size());
+  if (local.ok()) local = gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate);
+  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(comm, local, "MoELayer::create (the configuration checks)",
+                                                local.ok() ? cfg.timeout_seconds : LayerConfig{}.timeout_seconds));
   // A private workspace of exactly this layer's size; the layer keeps the only share.
   std::unique_ptr<Workspace> ws;
   EPMOE_RETURN_IF_ERROR(Workspace::create(comm, workspace_config_for(cfg), &ws));
@@ -533,13 +555,14 @@ Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_
 
 Status MoELayer::create(Workspace& workspace, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out,
                         const ExpertWeightRefs* weights) {
-  if (!out) return invalid("MoELayer::create: out is null");
   const std::shared_ptr<detail::WorkspaceState>& state = detail::WorkspaceAccess::state(workspace);
-  // Why no early return on a bad config: it is the same on every rank (the config agreement in
-  // init() checks that), so every rank returns here alike.
-  EPMOE_RETURN_IF_ERROR(check_fits(workspace.config(), cfg));
-  EPMOE_RETURN_IF_ERROR(gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate));
   EPMOE_CUDA_RETURN(cudaSetDevice(state->comm->device()));
+  // Agreed for the same reason as above: a layer that fits the workspace on some ranks only must
+  // fail on every rank at once, not leave the others waiting in their first collective.
+  Status local = out ? check_fits(workspace.config(), cfg) : invalid("MoELayer::create: out is null");
+  if (local.ok()) local = gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate);
+  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*state->comm, local, "MoELayer::create (the workspace fit checks)",
+                                                local.ok() ? cfg.timeout_seconds : LayerConfig{}.timeout_seconds));
   auto layer = std::make_unique<PipelineLayer>(state, cfg, weights);
   EPMOE_RETURN_IF_ERROR(layer->init());
   *out = std::move(layer);

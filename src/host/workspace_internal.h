@@ -44,9 +44,8 @@ struct WorkspaceState {
   layout::DeviceErrorRecord* record_dev = nullptr;
   uint32_t routing_seq_reported = 0;
   bool timeout_printed = false;
-  // Calls on this state are serialized: a call on another stream than the last one waits for it.
+  // Calls on this state are serialized: every call waits for the previous one's end.
   cudaEvent_t done_event = nullptr;
-  cudaStream_t last_stream = nullptr;
   bool has_last = false;
 
   // Collective (frees the symmetric window with a bounded barrier).
@@ -58,8 +57,9 @@ struct WorkspaceState {
   std::string timeout_line();
   bool timeout_recorded() const;
   uint32_t take_routing(layout::RoutingRecord* out);
-  // kTimeout with the record's line, else the routing report not yet returned, else Ok (no sync).
-  Status take_device_error();
+  // kTimeout with the record's line, else (with `routing`) the routing report not yet returned,
+  // else Ok (no sync).
+  Status take_device_error(bool routing = true);
   // Orders a call on `stream` after the previous call on this state (an event; external event
   // nodes under stream capture), and records the end of a call.
   Status serialize(cudaStream_t stream);

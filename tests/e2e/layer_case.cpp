@@ -471,6 +471,15 @@ Status run_bad_input_case(const RankContext& ctx, uint64_t seed) {
   st = MoELayer::create(*comm, bad, &layer);
   if (st.ok() || st.message().find("communicator size") == std::string::npos)
     return fail("create with num_ranks != comm size: got " + st.to_string());
+  // A configuration only one rank gets wrong: every rank fails at once (the checks are agreed),
+  // naming that rank and its cause, instead of its peers waiting for the timeout.
+  bad = make_config(p);
+  if (rank == 0) bad.hidden = 100;
+  st = MoELayer::create(*comm, bad, &layer);
+  if (st.ok() || st.message().find("hidden=100") == std::string::npos ||
+      st.message().find("failed on rank 0") == std::string::npos)
+    return fail("create with hidden=100 on rank 0 only: expected every rank to name rank 0 and hidden=100, got " +
+                st.to_string());
 
   EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, make_config(p), &layer));
   cudaStream_t stream;

@@ -220,14 +220,9 @@ struct Sm90Fp8Mainloop {
     // failed: 0, or 1 + the K block whose wait expired first (see run for why it is carried).
     uint32_t failed = 0;
     uint32_t phase = st.phase;
-    // The weight scales of even K blocks in (e0, e1), of odd ones in (o0, o1); once a K block has
-    // used its pair, the pair is reloaded with the scales of the K block two ahead. Why two ahead
-    // into the same registers: a load of the next K block's scales (as run<., true> does), which
-    // ptxas placed in the K block's second half, was often still in flight at the next K block's
-    // first promotion (ncu: long-scoreboard stalls on that FMUL, ~2% of the samples), and loading
-    // further ahead into more registers spilled accumulators.
-    float e0 = ptx::ld_nc_f32(sp0), e1 = ptx::ld_nc_f32(sp1);
-    float o0 = ptx::ld_nc_f32(sp0 + 1), o1 = ptx::ld_nc_f32(sp1 + 1);
+    // The weight scales of even K blocks in (e0, e1), of odd ones in (o0, o1); each K block loads
+    // the next one's (as run<., true> does).
+    float e0 = ptx::ld_nc_f32(sp0), e1 = ptx::ld_nc_f32(sp1), o0 = 0.0f, o1 = 0.0f;
     // q0, q1: this ring's weight scales (each stage reads them at constant offsets).
     const float* q0 = sp0;
     const float* q1 = sp1;
@@ -245,8 +240,14 @@ struct Sm90Fp8Mainloop {
       const auto stage = [&](auto s_const) {
         constexpr uint32_t s = decltype(s_const)::value;
         failed = Pipe::template consumer_wait_flag_at<s>(bars_s, phase, failed, uint32_t(kb) + s + 1u);
-        float& c0 = s % 2 == 0 ? e0 : o0;
-        float& c1 = s % 2 == 0 ? e1 : o1;
+        float& n0 = s % 2 == 0 ? o0 : e0;
+        float& n1 = s % 2 == 0 ? o1 : e1;
+        const float c0 = s % 2 == 0 ? e0 : o0;
+        const float c1 = s % 2 == 0 ? e1 : o1;
+        if (s + 1 < uint32_t(kStages) || !last_ring) {  // the tile's last K block has no next
+          n0 = ptx::ld_nc_f32(q0 + s + 1);
+          n1 = ptx::ld_nc_f32(q1 + s + 1);
+        }
         const float sa_lo = ptx::ld_shared_f32(sa0 + s * Layout::kScaleA);
         const float sa_hi = ptx::ld_shared_f32(sa0 + s * Layout::kScaleA + 32u);
         block_math(acc, tmp, a_lo + s * (Layout::kTileA >> 4), b_lo + s * (Layout::kTileB >> 4), sa_lo, sa_hi, c0,
@@ -255,10 +256,6 @@ struct Sm90Fp8Mainloop {
                      const bool keep = kKeepLast && s + 1 == uint32_t(kStages) && last_ring;
                      if (!keep && ptx::elect_one_sync()) Pipe::template consumer_release_at<s>(bars_s);
                    });
-        if (s + 2 < uint32_t(kStages) || !last_ring) {  // the tile's last two K blocks have none
-          c0 = ptx::ld_nc_f32(q0 + s + 2);
-          c1 = ptx::ld_nc_f32(q1 + s + 2);
-        }
       };
       stage_each(stage, std::make_integer_sequence<uint32_t, kStages>{});
       phase ^= 1u;
