@@ -64,6 +64,14 @@ finish() {
   exit 0
 }
 ncu_bin=$(command -v ncu || true)
+# The e2e subset that the multi-rank modes run (both paths of each case).
+e2e_subset=$(echo Dsv3Fp8ManyTokens:Qwen3Fp8:Qwen3Bf16:ZipfFp8:AllTokensToOneRank:ZeroTokensOnOneRank:UnequalTokens:CudaGraphReplay:FusedDeferredEpilogueFp8:ThousandCallsFreshRouting |
+  tr ':' '\n' | sed 's/^/LayerE2E*./' | paste -sd:)
+# ncu's options for a GEMM kernel profile (one launch after three warm-ups; text sections and the
+# per-instruction stall samples).
+ncu_gemm=(--clock-control none --kernel-name-base mangled -c 1 --launch-skip 3 --section SpeedOfLight
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats
+          --section SchedulerStats --section SourceCounters --import-source no)
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$out/nvidia-smi.log" 2>&1
 step gpu_check 120 "$bin/epmoe-gpu-check"
 if [ "$mode" = ab ]; then
@@ -146,9 +154,7 @@ if [ "$mode" = peer-gemm ]; then
     fi
   done
   if [ "${EPMOE_PEER_NCU:-1}" = 1 ]; then
-    prof=(--clock-control none --kernel-name-base mangled -c 1 --launch-skip 3 --section SpeedOfLight
-          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats
-          --section SchedulerStats --section LaunchStats --section Occupancy --section SourceCounters --import-source no)
+    prof=("${ncu_gemm[@]}" --section LaunchStats --section Occupancy)
     step ncu_deepgemm 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:sm90_fp8_gemm_1d2d" \
       -o "$out/ncu_deepgemm" python3 .gpu/peers/deepgemm_gemm.py 8,4096,4096,7168
     ncu_export ncu_deepgemm
@@ -176,9 +182,7 @@ if [ "$mode" = peer-ab ]; then
     [ -x "$bin/epmoe-bench-old" ] && step "old_gemm_fp8_$round" 200 "$bin/epmoe-bench-old" gemm --dtype fp8 "${shape_args[@]}"
   done
   if [ "${EPMOE_PEER_NCU:-1}" = 1 ]; then
-    prof=(--clock-control none --kernel-name-base mangled -c 1 --launch-skip 3 --section SpeedOfLight
-          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats
-          --section SchedulerStats --section SourceCounters --import-source no)
+    prof=("${ncu_gemm[@]}")
     for e in E1 E3; do
       step "ncu_ours_$e" 300 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90Epilogue${e}ELi4EE" \
         -o "$out/ncu_ours_$e" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,4096,4096,7168
@@ -229,9 +233,7 @@ if [ "$mode" = layer-peer ]; then
   peer_setup && python3 -m pip install -q --no-index --no-deps --target /tmp/peers "$whl" >/dev/null 2>&1 ||
     { summary+=("peer_setup: FAILED"); finish; }
   if [ "${EPMOE_PEER_TESTS:-1}" = 1 ]; then
-    cases='Dsv3Fp8ManyTokens:Qwen3Fp8:Qwen3Bf16:ZipfFp8:AllTokensToOneRank:ZeroTokensOnOneRank:UnequalTokens:CudaGraphReplay:FusedDeferredEpilogueFp8:ThousandCallsFreshRouting'
-    filter=$(echo "$cases" | tr ':' '\n' | sed 's/^/LayerE2E*./' | paste -sd:)
-    EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$filter"
+    EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
     EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
       --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
     EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
@@ -248,10 +250,8 @@ if [ "$mode" = ranks ]; then
   # dispatch/combine routings with EPMOE_TEST_RANKS = R, then the layer (DSV3 slice with 32
   # experts per rank, and the full DSV3 with 256 experts over the ranks) and comm benchmarks.
   R=$(nvidia-smi -L 2>/dev/null | wc -l)
-  cases='Dsv3Fp8ManyTokens:Qwen3Fp8:Qwen3Bf16:ZipfFp8:AllTokensToOneRank:ZeroTokensOnOneRank:UnequalTokens:CudaGraphReplay:FusedDeferredEpilogueFp8:ThousandCallsFreshRouting'
-  filter=$(echo "$cases" | tr ':' '\n' | sed 's/^/LayerE2E*./' | paste -sd:)
   export EPMOE_TEST_RANKS=$R
-  step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$filter"
+  step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
   step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
     --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
   unset EPMOE_TEST_RANKS

@@ -551,33 +551,44 @@ def run(rank, world, local_rank, timeout):
             step(f"jax path={path}", lambda e=entry, p=path: check_jax(res, e, device, p, gen))
 
     restore_device()
+    return finish(res, "gpu_test_layer", device, local_rank)
+
+
+def finish(res, name, device, local_rank):
+    """The totals over ranks (printed by rank 0), then the process group's end; returns this
+    run's failure count over all ranks."""
+    import torch
+    import torch.distributed as dist
     totals = torch.tensor([res.passed, res.failed, res.skipped], device=device)
     dist.all_reduce(totals)
     dist.barrier(device_ids=[local_rank])
-    if rank == 0:
+    if res.rank == 0:
         p, f, s = (int(v) for v in totals.tolist())
-        print(f"gpu_test_layer: {p} passed, {f} failed, {s} skipped", flush=True)
+        print(f"{name}: {p} passed, {f} failed, {s} skipped", flush=True)
     failed = int(totals[1].item())
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
     return failed
 
 
-def _spawned(local_rank, world, port, timeout):
+def _spawned(local_rank, run_fn, world, port, timeout):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if run(local_rank, world, local_rank, timeout):
+    if run_fn(local_rank, world, local_rank, timeout):
         sys.stdout.flush()
         os._exit(1)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(run_fn=None, doc=None, default_timeout=180, timeout_note=""):
+    """Runs `run_fn(rank, world, local_rank, timeout)` (default: this file's run) on every rank:
+    under torchrun, or spawning --nproc ranks itself. Also the entry of gpu_test_torch.py."""
+    run_fn = run_fn or run
+    ap = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
     ap.add_argument("--timeout", type=float,
-                    default=float(os.environ.get("EPMOE_TEST_TIMEOUT", "180")),
+                    default=float(os.environ.get("EPMOE_TEST_TIMEOUT", str(default_timeout))),
                     help="each rank exits with status 1 after this many seconds "
-                         "(default $EPMOE_TEST_TIMEOUT or 180)")
+                         f"(default $EPMOE_TEST_TIMEOUT or {default_timeout}{timeout_note})")
     args = ap.parse_args()
     # The launching process gets a little longer than the ranks, so that their stacks print.
     faulthandler.dump_traceback_later(args.timeout + 30, exit=True)
@@ -594,8 +605,8 @@ def main():
         print(f"SKIPPED: needs {want} GPUs, found {n}")
         return 0
     if "RANK" in os.environ:  # under torchrun
-        return 1 if run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                        int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), args.timeout) else 0
+        return 1 if run_fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                           int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), args.timeout) else 0
     import socket
     import torch.multiprocessing as mp
     world = min(args.nproc, torch.cuda.device_count())
@@ -603,7 +614,7 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.spawn(_spawned, args=(world, port, args.timeout), nprocs=world, join=True)
+        mp.spawn(_spawned, args=(run_fn, world, port, args.timeout), nprocs=world, join=True)
     except mp.ProcessRaisedException as e:
         print(f"FAILED: {e}")
         return 1

@@ -17,9 +17,7 @@ with fewer GPUs than ranks. Never hangs (see gpu_test_layer.py: abort on any exc
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
-import os
 import sys
 import time
 import traceback
@@ -250,59 +248,11 @@ def run(rank, world, local_rank, timeout):
     step("overhead", lambda: check_overhead(res, moes[0], configs[0], rank, device))
     step("device error", lambda: check_device_error(res, moes[-1], configs[-1], rank, device))
 
-    totals = torch.tensor([res.passed, res.failed, res.skipped], device=device)
-    dist.all_reduce(totals)
-    dist.barrier(device_ids=[local_rank])
-    if rank == 0:
-        p, f, s = (int(v) for v in totals.tolist())
-        print(f"gpu_test_torch: {p} passed, {f} failed, {s} skipped", flush=True)
-    failed = int(totals[1].item())
-    dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
-    return failed
-
-
-def _spawned(local_rank, world, port, timeout):
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if run(local_rank, world, local_rank, timeout):
-        sys.stdout.flush()
-        os._exit(1)
+    return base.finish(res, "gpu_test_torch", device, local_rank)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
-    ap.add_argument("--timeout", type=float,
-                    default=float(os.environ.get("EPMOE_TEST_TIMEOUT", "300")),
-                    help="each rank exits with status 1 after this many seconds "
-                         "(default $EPMOE_TEST_TIMEOUT or 300: compiling takes a while)")
-    args = ap.parse_args()
-    faulthandler.dump_traceback_later(args.timeout + 30, exit=True)
-    try:
-        import torch
-    except ImportError:
-        print("SKIPPED: torch is not installed")
-        return 0
-    want = max(1, int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.nproc)
-    if not torch.cuda.is_available() or torch.cuda.device_count() < want:
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        print(f"SKIPPED: needs {want} GPUs, found {n}")
-        return 0
-    if "RANK" in os.environ:
-        return 1 if run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                        int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), args.timeout) else 0
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        mp.spawn(_spawned, args=(want, port, args.timeout), nprocs=want, join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        print(f"FAILED: {e}")
-        return 1
-    return 0
+    return base.main(run, __doc__, default_timeout=300, timeout_note=": compiling takes a while")
 
 
 if __name__ == "__main__":

@@ -244,20 +244,16 @@ Status WorkspaceState::take_device_error(bool routing) {
 // Why a wait even on the last call's stream: a graph replayed on another stream since then recorded
 // the event there, which the host never sees (a same-stream wait on an event already behind is
 // cheap).
-Status WorkspaceState::serialize(cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+Status WorkspaceState::serialize(cudaStream_t stream, bool capturing) {
   if (has_last)
-    EPMOE_CUDA_RETURN(cudaStreamWaitEvent(
-        stream, done_event, capture != cudaStreamCaptureStatusNone ? cudaEventWaitExternal : cudaEventWaitDefault));
+    EPMOE_CUDA_RETURN(
+        cudaStreamWaitEvent(stream, done_event, capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
   return Status::Ok();
 }
 
-Status WorkspaceState::mark_end(cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-  EPMOE_CUDA_RETURN(cudaEventRecordWithFlags(
-      done_event, stream, capture != cudaStreamCaptureStatusNone ? cudaEventRecordExternal : cudaEventRecordDefault));
+Status WorkspaceState::mark_end(cudaStream_t stream, bool capturing) {
+  EPMOE_CUDA_RETURN(
+      cudaEventRecordWithFlags(done_event, stream, capturing ? cudaEventRecordExternal : cudaEventRecordDefault));
   has_last = true;
   return Status::Ok();
 }

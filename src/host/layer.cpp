@@ -257,16 +257,17 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // captures go on; the report waits for the next call outside a capture.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-    const Status earlier = ws_->take_device_error(capture == cudaStreamCaptureStatusNone);
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    const Status earlier = ws_->take_device_error(!capturing);
     if (earlier.code() == StatusCode::kTimeout) return earlier;
     const auto with_earlier = [&](const Status& st) {
       return earlier.ok() ? st : Status(st.code(), st.message() + "; also: " + earlier.message());
     };
 
     // One call at a time: every call waits for the last one's end (WorkspaceState::serialize).
-    if (const Status st = ws_->serialize(stream); !st.ok()) return with_earlier(st);
+    if (const Status st = ws_->serialize(stream, capturing); !st.ok()) return with_earlier(st);
     if (cfg_.strict_routing) {
-      if (const Status st = check_routing_strict(topk_idx, a.idx_type, num_tokens, stream); !st.ok())
+      if (const Status st = check_routing_strict(topk_idx, a.idx_type, num_tokens, stream, capturing); !st.ok())
         return with_earlier(st);
     }
     Status ran = run(x, topk_idx, a.idx_type, topk_weights, y, num_tokens, stream, path);
@@ -276,7 +277,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                                                               a.expert_counts, a.expert_counts_total, stream),
                                 "launch_expert_counts", __FILE__, __LINE__);
     // Recorded whatever happened: the next call waits for whatever this one enqueued.
-    const Status ended = ws_->mark_end(stream);
+    const Status ended = ws_->mark_end(stream, capturing);
     if (!ran.ok()) return with_earlier(ran);
     if (!ended.ok()) return with_earlier(ended);
     return earlier.ok() ? Status::Ok()
@@ -380,11 +381,11 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   // Strict mode (LayerConfig::strict_routing, a debugging aid): copies this call's routing to the
   // host, checks it, and agrees with every rank before any launch, so every rank returns the error
   // (naming the rank and the slot) and none launches. Synchronizes `stream`.
-  Status check_routing_strict(const void* topk_idx, IndexType idx_type, int64_t num_tokens, cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+  // `capturing`: whether `stream` is capturing a graph (forward asks once per call).
+  Status check_routing_strict(const void* topk_idx, IndexType idx_type, int64_t num_tokens, cudaStream_t stream,
+                              bool capturing) {
     Status mine;
-    if (capture != cudaStreamCaptureStatusNone) {
+    if (capturing) {
       mine = invalid("forward: strict_routing copies the routing to the host and synchronizes, which a stream "
                      "capture does not allow; create the layer without strict_routing to capture it");
     } else {

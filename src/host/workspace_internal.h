@@ -61,9 +61,10 @@ struct WorkspaceState {
   // else Ok (no sync).
   Status take_device_error(bool routing = true);
   // Orders a call on `stream` after the previous call on this state (an event; external event
-  // nodes under stream capture), and records the end of a call.
-  Status serialize(cudaStream_t stream);
-  Status mark_end(cudaStream_t stream);
+  // nodes under stream capture), and records the end of a call. `capturing`: whether `stream` is
+  // capturing a graph (forward asks once per call).
+  Status serialize(cudaStream_t stream, bool capturing);
+  Status mark_end(cudaStream_t stream, bool capturing);
 };
 
 // Collective over `comm`: allocates what `spec` asks for (local allocations first, agreed across
