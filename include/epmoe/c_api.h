@@ -169,7 +169,8 @@ EPMOE_C_EXPORT int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out);
 /// Rank, size and CUDA device of a communicator (any output may be NULL).
 EPMOE_C_EXPORT int epmoe_comm_info(const epmoe_comm* comm, int* rank, int* size, int* device);
 /// Destroys the wrapper (and the NCCL communicator if it owns it). Fails with
-/// EPMOE_INVALID_ARGUMENT, destroying nothing, while a layer or dispatch handle made from it lives.
+/// EPMOE_INVALID_ARGUMENT, destroying nothing, while a layer, workspace or dispatch handle made from
+/// it lives.
 /// Collective when it destroys the NCCL communicator. NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_comm_destroy(epmoe_comm* comm);
 
@@ -196,7 +197,8 @@ EPMOE_C_EXPORT int epmoe_layer_forward(epmoe_layer* layer, const void* x, const 
                                        void* stream, int path);
 /// MoELayer::check_device_error: synchronizes `stream`, reports an error the device recorded.
 EPMOE_C_EXPORT int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream);
-/// Frees the layer. Collective (a bounded barrier over every rank). NULL is a no-op.
+/// Frees the layer. Collective (a bounded barrier over every rank when it holds the last share of
+/// its workspace's buffers). NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_layer_destroy(epmoe_layer* layer);
 
 /// MoELayer::forward with int32 or int64 routing (idx_type: EPMOE_INDEX_*) and the optional expert
@@ -225,11 +227,16 @@ EPMOE_C_EXPORT int epmoe_workspace_create(epmoe_comm* comm, const epmoe_workspac
 EPMOE_C_EXPORT int epmoe_workspace_get_config(const epmoe_workspace* ws, epmoe_workspace_config* cfg);
 /// GPU memory the workspace holds on this rank, in bytes.
 EPMOE_C_EXPORT int epmoe_workspace_nbytes(const epmoe_workspace* ws, int64_t* bytes);
-/// Drops the handle's share of the buffers; they go (collectively) with the last share: this handle
-/// or the last layer created on it. Destroy in the same order on every rank. NULL is a no-op.
+/// Layers created on the workspace that are still alive.
+EPMOE_C_EXPORT int epmoe_workspace_num_layers(const epmoe_workspace* ws, int32_t* count);
+/// Releases the workspace's buffers (Workspace::close, then the handle). Fails with
+/// EPMOE_INVALID_ARGUMENT, releasing nothing (the handle stays valid), while a layer created on it
+/// lives: destroy the layers first. Collective (a bounded barrier over every rank before the
+/// symmetric window is freed). NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_workspace_destroy(epmoe_workspace* ws);
 /// Collective: MoELayer::create(workspace, cfg, weights). `weights` NULL: the layer allocates its
-/// weights (epmoe_layer_load_weights copies them in); else the layer references them (no copy).
+/// weights (epmoe_layer_load_weights copies them in); else the layer references them (no copy). The
+/// layer holds a share of the workspace's buffers: epmoe_workspace_destroy refuses while it lives.
 EPMOE_C_EXPORT int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_config* cfg,
                                          const epmoe_weight_refs* weights, epmoe_layer** out);
 /// epmoe::w13_transform_bytes (host only; either output may be NULL).

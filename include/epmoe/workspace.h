@@ -69,12 +69,22 @@ class Workspace {
   /// Drops this object's share of the buffers. The buffers go, collectively (a bounded barrier over
   /// every rank before the symmetric window is freed), with the last share: this object or the last
   /// layer created on it, whichever is destroyed last. Destroy them in the same order on every rank.
+  /// A layer never outlives the buffers it runs on (as a layer keeps its Communicator's state).
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 
+  /// Releases the buffers now. Fails (kInvalidArgument naming the live layers, nothing released)
+  /// while a layer created on this workspace lives, as Communicator::close does: destroy the layers
+  /// first. Collective (the symmetric window is freed after a bounded barrier): close on every rank.
+  /// After Ok, config() still answers, nbytes() and num_layers() are 0, MoELayer::create on it
+  /// fails, and a second close() is Ok.
+  Status close();
+  /// Whether close() has released the buffers.
+  bool closed() const;
+
   const WorkspaceConfig& config() const;
-  /// GPU memory the workspace holds on this rank, in bytes (symmetric + local + pool).
+  /// GPU memory the workspace holds on this rank, in bytes (symmetric + local + pool); 0 once closed.
   int64_t nbytes() const;
   /// Layers created on this workspace that are still alive.
   int num_layers() const;

@@ -18,6 +18,7 @@
 #include "epmoe/workspace.h"
 #include "epmoe/status.h"
 #include "epmoe/version.h"
+#include "host/c_api_handles.h"
 #include "host/check.h"
 
 // The Python package mirrors the struct field by field (python/epmoe/_lib.py checks this size).
@@ -30,29 +31,6 @@ static_assert(EPMOE_DTYPE_FP8 == int(epmoe::DType::kFP8) && EPMOE_DTYPE_BF16 == 
               "C dtype codes must equal epmoe::DType");
 static_assert(EPMOE_PATH_PIPELINE == int(epmoe::Path::kPipeline) && EPMOE_PATH_FUSED == int(epmoe::Path::kFused),
               "C path codes must equal epmoe::Path");
-
-struct epmoe_comm {
-  epmoe::Communicator* comm = nullptr;  // owned; the NCCL comm inside may be borrowed (wrap)
-  int rank = 0;
-  int size = 0;
-  int device = 0;
-};
-
-struct epmoe_dispatch {
-  epmoe::DispatchHandle* handle = nullptr;  // owned
-  epmoe_comm* comm = nullptr;               // borrowed; epmoe_comm_destroy refuses while the handle lives
-};
-
-struct epmoe_workspace {
-  epmoe::Workspace* ws = nullptr;  // owned (a share of the buffers)
-  epmoe_comm* comm = nullptr;      // borrowed; epmoe_comm_destroy refuses while the workspace lives
-};
-
-struct epmoe_layer {
-  epmoe::MoELayer* layer = nullptr;  // owned
-  epmoe_comm* comm = nullptr;        // borrowed; epmoe_comm_destroy refuses while the layer lives
-  epmoe::LayerConfig cfg;
-};
 
 namespace {
 
@@ -553,16 +531,29 @@ int epmoe_workspace_nbytes(const epmoe_workspace* ws, int64_t* bytes) {
   });
 }
 
+int epmoe_workspace_num_layers(const epmoe_workspace* ws, int32_t* count) {
+  return guarded([&]() -> Status {
+    if (!ws || !ws->ws) return invalid("workspace is null (destroyed or never created)");
+    if (!count) return invalid("count is null");
+    *count = ws->ws->num_layers();
+    return Status::Ok();
+  });
+}
+
 int epmoe_workspace_destroy(epmoe_workspace* ws) {
   return guarded([&]() -> Status {
     if (!ws) return Status::Ok();
-    std::unique_ptr<epmoe_workspace> owned(ws);
-    if (owned->ws) {
+    if (ws->ws) {
       DeviceGuard guard;
-      Status st = guard.enter(owned->comm->device);
-      delete owned->ws;
-      return st;
+      // Release even if the device switch failed (see epmoe_comm_destroy).
+      (void)guard.enter(ws->comm->device);
+      // Why close first: it fails (and releases nothing) while a layer created on this workspace
+      // lives; the handle then stays valid.
+      EPMOE_RETURN_IF_ERROR(ws->ws->close());
+      delete ws->ws;
+      ws->ws = nullptr;
     }
+    delete ws;
     return Status::Ok();
   });
 }

@@ -49,6 +49,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   PipelineLayer(std::shared_ptr<detail::WorkspaceState> ws, const LayerConfig& cfg, const ExpertWeightRefs* refs)
       : comm_(detail::CommAccess::share(*ws->comm)), ws_(std::move(ws)), cfg_(cfg), by_reference_(refs != nullptr) {
     if (refs) refs_ = *refs;
+    ++ws_->num_layers;  // Workspace::close refuses while a layer lives
   }
 
   // Collective. Each step that can fail on one rank only ends in an agreement (a bounded
@@ -133,6 +134,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // step), then the local buffers.
     dispatch_.reset();
     const bool broken = detail::CommAccess::broken(*comm_);
+    --ws_->num_layers;
     ws_.reset();
     if (broken) {
       // Why leak: cudaFree waits for the device, where a collective a peer never joined may never
@@ -556,6 +558,9 @@ Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_
 
 Status MoELayer::create(Workspace& workspace, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out,
                         const ExpertWeightRefs* weights) {
+  if (workspace.closed())
+    return invalid("MoELayer::create: the workspace was closed (Workspace::close released its buffers); create the "
+                   "layer on an open workspace");
   const std::shared_ptr<detail::WorkspaceState>& state = detail::WorkspaceAccess::state(workspace);
   EPMOE_CUDA_RETURN(cudaSetDevice(state->comm->device()));
   // Agreed for the same reason as above: a layer that fits the workspace on some ranks only must

@@ -155,8 +155,21 @@ Workspace::Workspace(const WorkspaceConfig& cfg, std::shared_ptr<detail::Workspa
     : cfg_(cfg), state_(std::move(state)) {}
 Workspace::~Workspace() = default;
 const WorkspaceConfig& Workspace::config() const { return cfg_; }
-int64_t Workspace::nbytes() const { return state_->device_bytes(); }
-int Workspace::num_layers() const { return int(state_.use_count()) - 1; }
+int64_t Workspace::nbytes() const { return state_ ? state_->device_bytes() : 0; }
+int Workspace::num_layers() const { return state_ ? state_->num_layers.load() : 0; }
+bool Workspace::closed() const { return !state_; }
+
+Status Workspace::close() {
+  if (!state_) return Status::Ok();
+  const int live = state_->num_layers.load();
+  if (live > 0)
+    return invalid("Workspace::close on rank ", state_->comm ? state_->comm->rank() : -1, ": ", live, " layer",
+                   live == 1 ? " created on this workspace still lives" : "s created on this workspace still live",
+                   "; destroy them first (on every rank), then close it");
+  // The last share (no layer holds one): its release frees the buffers, collectively.
+  state_.reset();
+  return Status::Ok();
+}
 
 Status Workspace::create(Communicator& comm, const WorkspaceConfig& cfg, std::unique_ptr<Workspace>* out) {
   if (!out) return invalid("Workspace::create: out is null");
@@ -177,6 +190,9 @@ Status Workspace::create(Communicator& comm, const WorkspaceConfig& cfg, std::un
 
 namespace detail {
 const std::shared_ptr<WorkspaceState>& WorkspaceAccess::state(const Workspace& ws) { return ws.state_; }
+std::unique_ptr<Workspace> WorkspaceAccess::wrap(const WorkspaceConfig& cfg, std::shared_ptr<WorkspaceState> state) {
+  return std::unique_ptr<Workspace>(new Workspace(cfg, std::move(state)));
+}
 }  // namespace detail
 
 }  // namespace epmoe

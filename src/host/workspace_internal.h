@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -47,6 +48,9 @@ struct WorkspaceState {
   // Calls on this state are serialized: every call waits for the previous one's end.
   cudaEvent_t done_event = nullptr;
   bool has_last = false;
+  // Layers alive on this state (each also holds shares through its dispatch handle, so the
+  // shared_ptr's count is not the number of layers). Workspace::close refuses while it is > 0.
+  std::atomic<int> num_layers{0};
 
   // Collective (frees the symmetric window with a bounded barrier).
   ~WorkspaceState();
@@ -78,7 +82,10 @@ class Workspace;
 struct WorkspaceConfig;
 namespace detail {
 struct WorkspaceAccess {
+  // Null once the workspace was closed.
   static const std::shared_ptr<WorkspaceState>& state(const Workspace& ws);
+  // A Workspace over an existing state (the CPU tests build one with no device buffers behind it).
+  static std::unique_ptr<Workspace> wrap(const WorkspaceConfig& cfg, std::shared_ptr<WorkspaceState> state);
 };
 // The room of a workspace of this config (layout::CommCapacity filled in) and its pool's bytes.
 layout::CommShape workspace_shape(const WorkspaceConfig& c);
