@@ -4,7 +4,8 @@
 // - weights by reference (transform_w13 into the caller's buffer, W2 as is) equal copied weights;
 // - int64 topk_idx gives the same y as int32, and an int64 index that would wrap into range is
 //   reported, not used;
-// - the per-call expert counts equal the host's count, the running sum their sum.
+// - the per-call expert counts equal the host's count, the running sum their sum;
+// - close() is refused while a layer lives and releases the buffers once none does.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime_api.h>
@@ -207,6 +208,13 @@ Status rank_body(const RankContext& ctx, Path path, uint64_t seed) {
   RANK_OK(MoELayer::create(*ws, b.cfg, &lb, &refs));
   RANK_CHECK(ws->nbytes() == before, ctx, "a layer on the workspace changed its size");
   RANK_CHECK(ws->num_layers() == 2, ctx, "num_layers " << ws->num_layers());
+  // Closing it now is refused (the layers run on its buffers), and releases nothing.
+  {
+    const Status st = ws->close();
+    RANK_CHECK(st.code() == StatusCode::kInvalidArgument && st.message().find("2 layers") != std::string::npos, ctx,
+               "close with live layers: " << st.to_string());
+    RANK_CHECK(!ws->closed() && ws->nbytes() == before, ctx, "a refused close released the workspace");
+  }
   // A layer that does not fit is refused, naming the field.
   {
     LayerConfig big = a.cfg;
@@ -288,6 +296,15 @@ Status rank_body(const RankContext& ctx, Path path, uint64_t seed) {
   lb.reset();
   la_own.reset();
   lb_own.reset();
+  // No layer left: close releases the buffers (collectively) and takes no new layer.
+  RANK_CHECK(ws->num_layers() == 0, ctx, "num_layers after the layers went: " << ws->num_layers());
+  RANK_OK(ws->close());
+  RANK_CHECK(ws->closed() && ws->nbytes() == 0, ctx, "closed " << ws->closed() << " nbytes " << ws->nbytes());
+  {
+    std::unique_ptr<MoELayer> no;
+    const Status st = MoELayer::create(*ws, a.cfg, &no);
+    RANK_CHECK(!st.ok() && st.message().find("closed") != std::string::npos, ctx, st.to_string());
+  }
   ws.reset();
   RANK_CUDA(cudaStreamDestroy(s));
   return Status::Ok();
