@@ -242,7 +242,8 @@ EPMOE_C_EXPORT int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_
 /// epmoe::w13_transform_bytes (host only; either output may be NULL).
 EPMOE_C_EXPORT int epmoe_w13_transform_bytes(int dtype, int experts_per_rank, int intermediate, int hidden,
                                              int64_t* weight_bytes, int64_t* scale_bytes);
-/// epmoe::transform_w13 on the current CUDA device: checkpoint w13 (+ scales) into the kernels'
+/// epmoe::transform_w13 on the device that holds w13 (made current for the call; every buffer must
+/// be there, and `stream` a stream of that device): checkpoint w13 (+ scales) into the kernels'
 /// layout, into `out` (+ `out_scale`), caller-owned device memory. Stream-ordered, no sync.
 EPMOE_C_EXPORT int epmoe_transform_w13(int dtype, const void* w13, const float* w13_scale, void* out,
                                        float* out_scale, int experts_per_rank, int intermediate, int hidden,

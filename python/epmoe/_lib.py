@@ -21,6 +21,8 @@ PATH_PIPELINE = 0
 PATH_FUSED = 1
 PARTIALS_FP32 = 0
 PARTIALS_BF16 = 1
+INDEX_INT32 = 0
+INDEX_INT64 = 1
 
 
 class LayerConfigC(ctypes.Structure):
@@ -131,6 +133,7 @@ _PROTOTYPES = {
     "epmoe_workspace_create": (c_int, [_P, POINTER(WorkspaceConfigC), POINTER(_P)]),
     "epmoe_workspace_get_config": (c_int, [_P, POINTER(WorkspaceConfigC)]),
     "epmoe_workspace_nbytes": (c_int, [_P, POINTER(c_int64)]),
+    "epmoe_workspace_num_layers": (c_int, [_P, POINTER(c_int32)]),
     "epmoe_workspace_destroy": (c_int, [_P]),
     "epmoe_layer_create_on": (c_int, [_P, POINTER(LayerConfigC), POINTER(WeightRefsC), POINTER(_P)]),
     "epmoe_w13_transform_bytes": (c_int, [c_int, c_int, c_int, c_int, POINTER(c_int64), POINTER(c_int64)]),

@@ -158,6 +158,21 @@ Status to_dispatch_config(const epmoe_dispatch_config* c, epmoe::DispatchConfig*
   return Status::Ok();
 }
 
+// The device that holds `p` (device or managed memory CUDA knows), for messages naming `name`.
+Status device_of(const void* p, const char* name, int* device) {
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return invalid(name, "=", p, " is not memory CUDA knows (", cudaGetErrorName(e), ")");
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    return invalid(name, "=", p, " must be device memory (it is ",
+                   attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory", ")");
+  *device = attr.device;
+  return Status::Ok();
+}
+
 Status check_dispatch(const epmoe_dispatch* h) {
   if (!h || !h->handle) return invalid("dispatch handle is null (destroyed or never created)");
   return Status::Ok();
@@ -272,6 +287,22 @@ int epmoe_transform_w13(int dtype, const void* w13, const float* w13_scale, void
   return guarded([&]() -> Status {
     if (dtype != EPMOE_DTYPE_FP8 && dtype != EPMOE_DTYPE_BF16)
       return invalid("dtype=", dtype, " must be EPMOE_DTYPE_FP8 (0) or EPMOE_DTYPE_BF16 (1)");
+    if (!w13) return invalid("transform_w13: w13 is null");
+    if (!out) return invalid("transform_w13: out is null");
+    // Why: the caller's current device may be another one (a framework's); the kernel runs where
+    // the weights are, and every buffer must be there.
+    int device = -1;
+    EPMOE_RETURN_IF_ERROR(device_of(w13, "w13", &device));
+    const struct { const void* p; const char* name; } others[3] = {{w13_scale, "w13_scale"}, {out, "out"},
+                                                                  {out_scale, "out_scale"}};
+    for (const auto& o : others) {
+      if (!o.p) continue;
+      int d = -1;
+      EPMOE_RETURN_IF_ERROR(device_of(o.p, o.name, &d));
+      if (d != device) return invalid("transform_w13: ", o.name, " is on device ", d, " but w13 on device ", device);
+    }
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(device));
     return epmoe::transform_w13(static_cast<epmoe::DType>(dtype), w13, w13_scale, out, out_scale, experts_per_rank,
                                 intermediate, hidden, static_cast<cudaStream_t>(stream));
   });
