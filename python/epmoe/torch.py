@@ -495,6 +495,11 @@ class MoE(torch.nn.Module):
         differ). With `return_expert_counts`, (y, counts): counts [E_loc] int32, the rows each
         local expert received in this call. With count_experts, the counts are added to
         ``expert_counts_total``."""
+        if self._ref_ptrs is not None and not self.weights_loaded:
+            # Why here: a layer that references its weights has nothing to check in the library;
+            # it would read the buffers' uninitialized memory.
+            raise InvalidArgument("MoE.forward: the weights were never loaded (load_weights or "
+                                  "load_state_dict)")
         total = self.expert_counts_total
         if not return_expert_counts and total is None:
             if _plain_eager(x):

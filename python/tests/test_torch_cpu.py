@@ -539,7 +539,14 @@ def test_moe_on_a_workspace_refuses_replaced_buffers(moe_ws):
         moe_ws.half()  # the fp32 scales become new fp16 tensors
 
 
+def test_moe_on_a_workspace_needs_its_weights(moe_ws):
+    moe_ws._bound.c_forward = lambda *a: pytest.fail("called the library")
+    with pytest.raises(epmoe.InvalidArgument, match="the weights were never loaded"):
+        moe_ws(*inputs(t=3))
+
+
 def test_moe_expert_counts_total(moe_ws):
+    moe_ws.weights_loaded = True
     calls = []
     moe_ws._bound.c_forward = lambda *a: calls.append(a) or 0
     moe_ws._bound.raw_stream = lambda device: 5
