@@ -272,9 +272,10 @@ class Layer:
         out [T, H] bf16, all on this rank's GPU. Optional, on the same GPU: expert_counts
         [E_loc] int32 receives the rows each local expert got in this call (from every rank),
         expert_counts_total [E_loc] int64 has them added on (a running sum; zero it to restart);
-        both written on the stream after the call, without a sync. Runs on `stream` (default: the framework's
-        current stream, e.g. torch.cuda.current_stream()) and never synchronizes with the host
-        (unless strict_routing), so it can be captured in a CUDA graph. An out-of-range expert
+        both written on the stream after the call, without a sync. Runs on `stream` (default:
+        the framework's current stream, e.g. torch.cuda.current_stream()) and never synchronizes
+        with the host (unless strict_routing), so it can be captured in a CUDA graph. An
+        out-of-range expert
         index is found on the GPU (its slot is masked) and the next call on this rank raises
         InvalidArgument naming it, after running normally; a device wait that timed out makes the
         next call raise DeviceTimeout without running. :meth:`check_device_error` is the explicit,
@@ -351,4 +352,3 @@ class Layer:
             import torch
             return int(torch.cuda.current_stream(self.device).cuda_stream)
         return 0
-

@@ -41,15 +41,14 @@ class _Bound:
     """What one call of the operator needs of a layer, read once at registration, so that a call
     costs a few attribute reads, one allocation and one C call (no DLPack, no ctypes lookups)."""
 
-    __slots__ = ("layer", "key", "device_index", "hidden", "topk", "num_experts", "e_loc",
-                 "t_max", "c_forward", "raw_stream")
+    __slots__ = ("layer", "key", "device_index", "hidden", "topk", "e_loc", "t_max", "c_forward",
+                 "raw_stream")
 
     def __init__(self, layer: Layer, key: int):
         c = layer.config
         self.layer, self.key = layer, key
         self.device_index = layer.device
-        self.hidden, self.topk, self.num_experts = c.hidden, c.topk, c.num_experts
-        self.e_loc = c.experts_per_rank
+        self.hidden, self.topk, self.e_loc = c.hidden, c.topk, c.experts_per_rank
         self.t_max = c.max_tokens_per_rank
         # Why cached here: Layer.__call__ reads each tensor through a DLPack capsule and looks the
         # C function up by name on every call; a torch tensor gives its pointer directly.
