@@ -561,6 +561,35 @@ def test_moe_expert_counts_total(moe_ws):
     assert not total.any()
 
 
+def test_moe_counting_eager_and_compiled(moe_ws):
+    # The module's running sum through both paths, with CPU kernels for both operators standing in
+    # for the CUDA ones (counts 10 + local expert, added on by the C stand-in or by torch).
+    def c_call(h, xp, ip, it, wp, yp, t, counts, total, s, p):
+        ctypes.memmove(yp, xp, t * 256 * 2)
+        if counts:
+            (ctypes.c_int32 * 4).from_address(counts)[:] = [10, 11, 12, 13]
+        if total:
+            arr = (ctypes.c_int64 * 4).from_address(total)
+            arr[:] = [v + 10 + e for e, v in enumerate(arr)]
+        return 0
+
+    moe_ws.weights_loaded = True
+    moe_ws._bound.c_forward = c_call
+    moe_ws._bound.raw_stream = lambda device: 0
+    impl = torch.library.Library("epmoe", "IMPL")
+    impl.impl("moe_forward_counts", et._moe_forward_counts_cuda, "CPU")
+    try:
+        x, idx, w = inputs(t=3, idx_dtype=torch.int64)
+        assert torch.equal(moe_ws(x, idx, w), x)
+        torch._dynamo.reset()
+        y, counts = torch.compile(lambda a, b, c: moe_ws(a, b, c, return_expert_counts=True),
+                                  fullgraph=True)(x, idx, w)
+        assert torch.equal(y, x) and counts.tolist() == [10, 11, 12, 13]
+        assert moe_ws.expert_counts_total.tolist() == [20, 22, 24, 26]
+    finally:
+        impl._destroy()
+
+
 def test_moe_without_counting(moe):
     assert moe.expert_counts_total is None
     with pytest.raises(epmoe.InvalidArgument, match="does not count"):
