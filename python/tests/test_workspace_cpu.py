@@ -170,7 +170,7 @@ def test_workspace_create_and_queries(ws, lib, comm):
         epmoe.Workspace(comm, {"max_hidden": 256})
 
 
-def test_workspace_close_refused_while_a_layer_is_open(ws, lib):
+def test_workspace_close_refused_while_a_layer_is_open(ws, lib, fake):
     layer = epmoe.Layer(None, E, H, I, K, T_MAX, workspace=ws)
     assert ws.num_layers == 1
     with pytest.raises(epmoe.InvalidArgument, match="1 layer created on this workspace still lives"):
@@ -184,6 +184,11 @@ def test_workspace_close_refused_while_a_layer_is_open(ws, lib):
         ws.nbytes
     ws.close()  # a second close does nothing
     assert lib.names().count("epmoe_workspace_destroy") == 2
+    # The closed layer (the only way its workspace could close) says so; nothing reaches the library.
+    n = len(lib.calls)
+    with pytest.raises(epmoe.InvalidArgument, match="this Layer was closed"):
+        layer(**call_args(fake))
+    assert len(lib.calls) == n
 
 
 def test_layer_on_a_closed_workspace_is_refused(ws, lib):
