@@ -1,6 +1,7 @@
 // epmoe-bench layer: the whole MoE layer per rank, one process per GPU, for each requested path
 // (pipeline, fused) in the same run. Prints median / p10 / p90 time, TFLOP/s, NVLink bytes and
-// the ratio to the roofline floor and between the paths.
+// the ratio to the roofline floor and between the paths, and the GPU memory of the workspace the
+// layer runs on (Workspace::nbytes: what epmoe holds, whatever the number of layers on it).
 #include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
@@ -17,6 +18,7 @@
 #include "epmoe/comm.h"
 #include "epmoe/launcher.h"
 #include "epmoe/layer.h"
+#include "epmoe/workspace.h"
 #include "host/check.h"
 #include "host/dispatch_internal.h"
 #include "host/layer_impl.h"
@@ -95,6 +97,28 @@ Status default_hbm_gbs(double* gbs) {
   return Status::Ok();
 }
 
+// The layer of these options on R ranks, sized for the largest --tokens.
+LayerConfig layer_config(const Options& o, int R) {
+  int t_max = 1;
+  for (int t : o.tokens) t_max = std::max(t_max, t);
+  LayerConfig cfg;
+  cfg.num_ranks = R;
+  cfg.num_experts = o.shape.experts_per_rank * R;
+  cfg.hidden = o.shape.hidden;
+  cfg.intermediate = o.shape.inter;
+  cfg.topk = o.shape.topk;
+  cfg.max_tokens_per_rank = t_max;
+  cfg.dtype = o.dtype;
+  cfg.combine_partials = o.partials;
+  return cfg;
+}
+
+std::string mib(int64_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.1f MiB", double(bytes) / (1 << 20));
+  return b;
+}
+
 // What one rank receives and sends for one routing draw (host-side count, exact).
 struct Traffic {
   int64_t rows = 0;            // (token, local expert) pairs this rank computes
@@ -130,20 +154,15 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   const int R = ctx.size, me = ctx.rank;
   std::unique_ptr<Communicator> comm;
   EPMOE_RETURN_IF_ERROR(Communicator::create(ctx.id, me, R, &comm));
-  int t_max = 1;
-  for (int t : o.tokens) t_max = std::max(t_max, t);
-
-  LayerConfig cfg;
-  cfg.num_ranks = R;
-  cfg.num_experts = o.shape.experts_per_rank * R;
-  cfg.hidden = o.shape.hidden;
-  cfg.intermediate = o.shape.inter;
-  cfg.topk = o.shape.topk;
-  cfg.max_tokens_per_rank = t_max;
-  cfg.dtype = o.dtype;
-  cfg.combine_partials = o.partials;
+  const LayerConfig cfg = layer_config(o, R);
+  const int t_max = cfg.max_tokens_per_rank;
+  // The layer on a workspace of exactly its size (what MoELayer::create(comm, cfg) makes), kept
+  // here so that its GPU memory can be reported: every other layer of this shape would share it.
+  std::unique_ptr<Workspace> ws;
+  EPMOE_RETURN_IF_ERROR(Workspace::create(*comm, workspace_config_for(cfg), &ws));
+  const int64_t ws_bytes = ws->nbytes();
   std::unique_ptr<MoELayer> layer;
-  EPMOE_RETURN_IF_ERROR(MoELayer::create(*comm, cfg, &layer));
+  EPMOE_RETURN_IF_ERROR(MoELayer::create(*ws, cfg, &layer));
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // The comm phases' stamps (comm::CommPhase) of the stage-timing passes below.
@@ -185,6 +204,11 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   p.dtype = fp8 ? ref::DType::kFP8 : ref::DType::kBF16;
 
   std::ostringstream out, jout;  // this rank's table (or JSON lines on stdout); its --json file lines
+  if (!json_stdout) {
+    const WorkspaceSizes z = workspace_sizes(ws->config());
+    out << "  rank " << me << ": Workspace.nbytes = " << ws_bytes << " (" << mib(ws_bytes)
+        << ": symmetric " << mib(z.symmetric) << ", local " << mib(z.local) << ", pool " << mib(z.pool) << ")\n";
+  }
   Progress progress("layer", int(o.tokens.size()), o.out.quiet || me != 0);
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : (fp8 ? 1360.0 : 790.0);
   double hbm_gbs = o.hbm_gbs;
@@ -374,6 +398,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         j["floor_us"] = json_number(floor_us, 2);
         j["ratio_to_floor"] = json_number(st.median / floor_us, 3);
         j["graph"] = o.graph;
+        j["workspace_bytes"] = ws_bytes;
         (json_stdout ? out : jout) << json_line(j);
       }
       if (!json_stdout) {
@@ -429,7 +454,40 @@ struct LayerFlags {
   bool ranks_given = false;  // else one rank per visible GPU
   int iters = 50, warmup = 10, sets = 4, graph = 1;
   double peak_tflops = 0, hbm_gbs = 0, timeout = 540;
+  bool sizes = false;  // print the workspace's sizes and exit (no GPU)
 };
+
+// The GPU memory a workspace for this shape holds per rank (host arithmetic: the sizes that
+// Workspace::create allocates), as a line of text or (--json) a JSON line.
+int print_sizes(const Options& o, int ranks, bool header_only) {
+  const LayerConfig cfg = layer_config(o, ranks);
+  const WorkspaceConfig wc = workspace_config_for(cfg);
+  const Status st = validate(wc);
+  if (!st.ok()) {
+    std::fprintf(stderr, "epmoe-bench layer: %s\n", st.message().c_str());
+    return 2;
+  }
+  const WorkspaceSizes z = workspace_sizes(wc);
+  if (!header_only && (o.out.json_stdout() || o.out.json_file())) {
+    Json j;
+    j["shape"] = o.shape.name;
+    j["dtype"] = o.dtype == DType::kFP8 ? "fp8" : "bf16";
+    j["ranks"] = ranks;
+    j["max_tokens_per_rank"] = cfg.max_tokens_per_rank;
+    j["workspace_bytes"] = z.total();
+    j["symmetric_bytes"] = z.symmetric;
+    j["local_bytes"] = z.local;
+    j["pool_bytes"] = z.pool;
+    if (o.out.json_stdout()) std::fputs(json_line(j).c_str(), stdout);
+    if (o.out.json_file() && !append_json_file(o.out, json_line(j), "layer")) return 2;
+  }
+  if (!o.out.json_stdout())
+    std::printf("  workspace per rank (T_max %d): %lld bytes (%s: symmetric %s, local %s, pool %s); one workspace "
+                "serves any number of layers of this shape\n",
+                cfg.max_tokens_per_rank, static_cast<long long>(z.total()), mib(z.total()).c_str(),
+                mib(z.symmetric).c_str(), mib(z.local).c_str(), mib(z.pool).c_str());
+  return 0;
+}
 
 int run_layer(const LayerFlags& f, const Output& output) {
   Options o;
@@ -497,6 +555,12 @@ int run_layer(const LayerFlags& f, const Output& output) {
     }
     o.shape.experts_per_rank = total / ranks;
   }
+  if (f.sizes) {
+    if (!o.out.json_stdout())
+      std::printf("epmoe-bench layer: shape %s (E/rank %d, H %d, I %d, K %d), %s, %d ranks\n", o.shape.name.c_str(),
+                  o.shape.experts_per_rank, o.shape.hidden, o.shape.inter, o.shape.topk, dt.c_str(), ranks);
+    return print_sizes(o, ranks, false);
+  }
   if (gpus < ranks || gpus == 0) {
     std::printf("epmoe-bench layer: needs %d GPU(s), %d visible. Nothing to measure here.\n", std::max(ranks, 1), gpus);
     return gpus == 0 ? 0 : 1;
@@ -507,6 +571,7 @@ int run_layer(const LayerFlags& f, const Output& output) {
                 o.shape.name.c_str(), o.shape.experts_per_rank, o.shape.hidden, o.shape.inter, o.shape.topk,
                 dt.c_str(), ref::routing_name(o.routing), partials.c_str(), ranks,
                 o.graph ? "CUDA graphs" : "direct launches", o.iters);
+    if (const int rc = print_sizes(o, ranks, true); rc != 0) return rc;
     char hbm[64];
     if (o.hbm_gbs > 0) std::snprintf(hbm, sizeof hbm, "%.0f GB/s", o.hbm_gbs);
     else std::snprintf(hbm, sizeof hbm, "%s", "GB/s of the GPU (H100 3000, H200 4200)");
@@ -554,8 +619,12 @@ Run setup_layer(CLI::App& app) {
                  "roofline HBM GB/s [default: by GPU, the device-to-device copy bandwidth measured on it: "
                  "H100 3000, H200 4200]");
   app.add_option("--timeout", f->timeout, "seconds before the ranks are killed")->capture_default_str();
+  app.add_flag("--sizes", f->sizes,
+               "print the GPU memory of the workspace for this shape, --ranks and the largest --tokens, and exit "
+               "(host arithmetic, no GPU)");
   app.footer("Prints per rank, path and token count: median / p10 / p90 us, TFLOP/s, rows, NVLink MB, the roofline "
-             "floor and the per-stage split. Without a GPU it says so and exits 0.");
+             "floor and the per-stage split, and the workspace's GPU memory (Workspace.nbytes; JSON: "
+             "workspace_bytes). Without a GPU it says so and exits 0.");
   return [f, ranks](const Output& out) {
     f->ranks_given = ranks->count() > 0;
     return run_layer(*f, out);

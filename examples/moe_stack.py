@@ -4,11 +4,14 @@
     torchrun --nproc-per-node 4 examples/moe_stack.py [--dtype fp8|bf16|both] [--blocks 8]
 
 Each block is h + MoE(h): a router (linear, softmax, top-k, renormalized weights; torch.topk's
-int64 indices go to epmoe as they are) and the experts as an epmoe.torch.MoE module. The stack
-runs eagerly, compiled with torch.compile(fullgraph=True) and replayed from a CUDA graph, and every
-block's expert output is checked against a plain PyTorch implementation of SPEC.md (on the same
-block input, so that the routing is the same). It prints the time per block of each mode and the
-GPU memory epmoe holds.
+int64 indices go to epmoe as they are) and the experts as an epmoe.torch.MoE module. Every block
+runs on ONE epmoe.Workspace (sized for the largest block) and reads its weights by reference, so
+the GPU memory epmoe holds is that workspace, whatever the number of blocks (Workspace.nbytes).
+The stack runs eagerly, compiled with torch.compile(fullgraph=True) and replayed from a CUDA
+graph, and every block's expert output is checked against a plain PyTorch implementation of
+SPEC.md (on the same block input, so that the routing is the same); one block's expert counts are
+checked against a histogram of every rank's routing. It prints the time per block of each mode and
+the memory epmoe holds.
 """
 
 import argparse
@@ -167,12 +170,22 @@ def run(args, rank, world, device):
     e_loc = args.experts_total // world
     lo, hi = rank * e_loc, (rank + 1) * e_loc
 
-    # The layers: creating each is collective. Memory is measured around them.
-    comm = epmoe.Communicator.from_torch()  # cached: the layers below share it
+    # One workspace for every block, then the blocks on it: creating each is collective. Memory is
+    # measured around them.
+    comm = epmoe.Communicator.from_torch()  # cached: the workspace and the layers share it
     torch.cuda.synchronize()
     free0, reserved0 = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
-    moes = [et.MoE(args.experts_total, args.hidden, args.intermediate, args.topk, args.tokens,
-                   args.dtype, group=comm, path=args.path) for _ in range(args.blocks)]
+    shape = epmoe.LayerConfig(world, args.experts_total, args.hidden, args.intermediate, args.topk,
+                              args.tokens, args.dtype)
+    ws = epmoe.Workspace(comm, epmoe.WorkspaceConfig.for_layers([shape]))
+
+    def block_moe():
+        return et.MoE(args.experts_total, args.hidden, args.intermediate, args.topk, args.tokens,
+                      args.dtype, workspace=ws, path=args.path)
+
+    moes = [block_moe()]
+    held_one = epmoe_bytes(free0, reserved0, device)
+    moes += [block_moe() for _ in range(args.blocks - 1)]
     ref_weights = []
     for moe in moes:
         (w1, w1s, w2, w2s), (d1, d2) = make_experts(args, world, gen, device)
@@ -186,9 +199,12 @@ def run(args, rank, world, device):
     say(f"\n== {args.dtype}: {args.blocks} blocks, R={world}, E={args.experts_total}, "
         f"H={args.hidden}, I={args.intermediate}, K={args.topk}, T={args.tokens} per rank, "
         f"path={args.path}")
-    say(f"GPU memory epmoe holds (rank 0): {held / MIB:.1f} MiB for {args.blocks} layers "
-        f"({held / args.blocks / MIB:.1f} MiB per layer: buffers sized for T_max and weights in "
-        f"the kernels' layout); the modules' weight buffers (torch): {buffers / MIB:.1f} MiB")
+    say(f"GPU memory epmoe holds (rank 0): Workspace.nbytes = {ws.nbytes / MIB:.1f} MiB for all "
+        f"{args.blocks} blocks (one workspace; the blocks reference their weights); measured drop "
+        f"in free memory outside torch's allocator: {held_one / MIB:.1f} MiB with 1 block, "
+        f"{held / MIB:.1f} MiB with {args.blocks}")
+    say(f"the modules' weight buffers (torch, rank 0): {buffers / MIB:.1f} MiB (W1 and W2 in the "
+        f"SPEC layout, and W1 in the kernels' layout)")
 
     x = torch.randn(args.tokens, args.hidden, device=device, generator=gen).bfloat16()
     with torch.inference_mode():
@@ -201,6 +217,14 @@ def run(args, rank, world, device):
             weights, idx = block.route(h)
             worst = max(worst, rel_err(y, reference_experts(args, h, idx, weights, d1, d2)))
         ok_ref = worst <= tol
+
+        # One block's expert counts against a histogram of every rank's routing of its input.
+        h0 = record[0][0]
+        weights0, idx0 = stack.blocks[0].route(h0)
+        y0, counts = moes[0](h0, idx0, weights0, return_expert_counts=True)
+        hist = torch.bincount(idx0.flatten(), minlength=args.experts_total)
+        dist.all_reduce(hist)
+        ok_counts = torch.equal(counts.long(), hist[lo:hi]) and torch.equal(y0, record[0][1])
 
         compiled_stack = torch.compile(stack, fullgraph=True)
         compiled = compiled_stack(x)
@@ -220,7 +244,8 @@ def run(args, rank, world, device):
         graph_equal = torch.equal(static_y, eager)
 
         verdicts = torch.tensor([0 if ok_ref else 1, 0 if graph_equal else 1,
-                                 0 if err_compiled <= tol else 1], device=device)
+                                 0 if err_compiled <= tol else 1, 0 if ok_counts else 1],
+                                device=device)
         dist.all_reduce(verdicts, op=dist.ReduceOp.MAX)
         say(f"check: every block's experts vs plain PyTorch (SPEC.md): worst rel_err "
             f"{worst:.2e} (rank 0; bound {tol:g}) "
@@ -228,6 +253,8 @@ def run(args, rank, world, device):
         say(f"check: CUDA graph replay == eager, bitwise: {'PASS' if verdicts[1] == 0 else 'FAIL'}")
         say(f"check: compiled vs eager: rel_err {err_compiled:.2e} (rank 0; the router's kernels "
             f"differ under inductor) {'PASS' if verdicts[2] == 0 else 'FAIL'}")
+        say(f"check: block 0's expert counts == the routing's histogram over every rank (and the "
+            f"same y): {'PASS' if verdicts[3] == 0 else 'FAIL'}")
 
         modes = [("eager", lambda: stack(x)), ("torch.compile", lambda: compiled_stack(x)),
                  ("CUDA graph replay", graph.replay)]
@@ -245,7 +272,8 @@ def run(args, rank, world, device):
     del graph
     dist.barrier(device_ids=[device.index])
     for moe in moes:
-        moe.close()  # collective, at the same point on every rank
+        moe.close()  # drops each block's share of the workspace
+    ws.close()  # collective, at the same point on every rank
     return int(verdicts.sum())
 
 

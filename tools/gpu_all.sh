@@ -218,7 +218,7 @@ if [ "$mode" = single ]; then
   step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
   export EPMOE_TEST_RANKS=1
   step r1_fused 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2EFused.*'
-  step r1_pipeline_comm 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*:DispatchCombine.*Routings'
+  step r1_pipeline_comm 240 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerE2E.*:DispatchCombine.*Routings:LayerWorkspace.*'
   step r1_soak 300 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='LayerSoak.*'
   unset EPMOE_TEST_RANKS
   # The Python package (the wheel that stage_gpu.sh built) on one rank.
@@ -261,6 +261,7 @@ if [ "$mode" = validate ]; then
   EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
   EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
     --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
+  EPMOE_TEST_RANKS=$R step "ranks${R}_workspace" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerWorkspace.*'
   [ "$R" -gt 2 ] && EPMOE_TEST_RANKS=2 step ranks2_faults 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
   [ -n "$whl" ] && step "python_r$R" 240 bash python/tests/gpu_run.sh --wheel "$whl" "$R"
   finish
@@ -292,6 +293,7 @@ if [ "$mode" = ranks ]; then
   step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
   step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
     --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
+  step "ranks${R}_workspace" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerWorkspace.*'
   unset EPMOE_TEST_RANKS
   step "ranks${R}_bench_layer" 90 "$bin/epmoe-bench" layer --ranks "$R" --path pipeline,fused \
     --tokens 1,128,1024,4096,8192 --partials bf16
@@ -442,6 +444,9 @@ step mgpu_tests 260 "$bin/epmoe_mgpu_tests" --gtest_brief=1 --gtest_filter='-Lay
 whl=$(ls "$bin"/epmoe-*.whl 2>/dev/null | head -1)
 if [ -n "$whl" ]; then
   step python_binding 150 /bin/bash python/tests/gpu_run.sh --wheel "$whl"
+  # epmoe.torch (the operators, the module, modules on one workspace): compiling takes a while.
+  EPMOE_GPU_TEST=python/tests/gpu_test_torch.py EPMOE_TEST_TIMEOUT=600 \
+    step python_torch 700 /bin/bash python/tests/gpu_run.sh --wheel "$whl"
 else
   step python_binding 150 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so"
 fi

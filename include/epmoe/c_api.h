@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /// Bumped whenever a signature or a struct below changes; bindings check it at load time.
-#define EPMOE_C_API_VERSION 3
+#define EPMOE_C_API_VERSION 4
 
 /// Size of an ncclUniqueId, the token that bootstraps a communicator.
 #define EPMOE_UNIQUE_ID_BYTES 128
@@ -98,6 +98,33 @@ typedef struct epmoe_pool_view {
   int32_t* expert_offset;  ///< [E_loc + 1]
 } epmoe_pool_view;
 
+/// Integer type of topk_idx in epmoe_layer_forward_ex (epmoe::IndexType).
+enum { EPMOE_INDEX_INT32 = 0, EPMOE_INDEX_INT64 = 1 };
+
+/// Mirror of epmoe::WorkspaceConfig (see workspace.h): the largest layer a workspace serves.
+typedef struct epmoe_workspace_config {
+  int32_t num_ranks;  ///< R; in epmoe_workspace_create, 0 means "the communicator's size".
+  int32_t max_experts_per_rank;
+  int32_t max_hidden;
+  int32_t max_intermediate;
+  int32_t max_topk;
+  int32_t max_tokens_per_rank;
+  int32_t dtype;            ///< EPMOE_DTYPE_FP8: FP8 layers only; EPMOE_DTYPE_BF16: BF16 and FP8 layers
+  int32_t reserved;         ///< 0
+  double timeout_seconds;   ///< bound of the create/destroy collectives; 0: the default (10 s)
+} epmoe_workspace_config;
+
+/// Weights by reference (epmoe::ExpertWeightRefs): device pointers the layer reads on every call.
+/// w13 and w13_scale in the kernels' layout (epmoe_transform_w13's output), w2 and w2_scale in the
+/// checkpoint layout. Scales NULL in BF16 mode.
+typedef struct epmoe_weight_refs {
+  const void* w13;
+  const float* w13_scale;
+  const void* w2;
+  const float* w2_scale;
+} epmoe_weight_refs;
+
+typedef struct epmoe_workspace epmoe_workspace;  ///< an epmoe::Workspace
 typedef struct epmoe_comm epmoe_comm;          ///< an epmoe::Communicator (owning or borrowed NCCL comm)
 typedef struct epmoe_layer epmoe_layer;        ///< an epmoe::MoELayer plus the device it lives on
 typedef struct epmoe_dispatch epmoe_dispatch;  ///< an epmoe::DispatchHandle
@@ -142,7 +169,8 @@ EPMOE_C_EXPORT int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out);
 /// Rank, size and CUDA device of a communicator (any output may be NULL).
 EPMOE_C_EXPORT int epmoe_comm_info(const epmoe_comm* comm, int* rank, int* size, int* device);
 /// Destroys the wrapper (and the NCCL communicator if it owns it). Fails with
-/// EPMOE_INVALID_ARGUMENT, destroying nothing, while a layer or dispatch handle made from it lives.
+/// EPMOE_INVALID_ARGUMENT, destroying nothing, while a layer, workspace or dispatch handle made from
+/// it lives.
 /// Collective when it destroys the NCCL communicator. NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_comm_destroy(epmoe_comm* comm);
 
@@ -169,8 +197,57 @@ EPMOE_C_EXPORT int epmoe_layer_forward(epmoe_layer* layer, const void* x, const 
                                        void* stream, int path);
 /// MoELayer::check_device_error: synchronizes `stream`, reports an error the device recorded.
 EPMOE_C_EXPORT int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream);
-/// Frees the layer. Collective (a bounded barrier over every rank). NULL is a no-op.
+/// Frees the layer. Collective (a bounded barrier over every rank when it holds the last share of
+/// its workspace's buffers). NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_layer_destroy(epmoe_layer* layer);
+
+/// MoELayer::forward with int32 or int64 routing (idx_type: EPMOE_INDEX_*) and the optional expert
+/// counts: expert_counts [E_loc] int32 (rows each local expert received in this call) and
+/// expert_counts_total [E_loc] int64 (the counts added on); either may be NULL. No sync.
+EPMOE_C_EXPORT int epmoe_layer_forward_ex(epmoe_layer* layer, const void* x, const void* topk_idx, int idx_type,
+                                          const float* topk_weights, void* y, int64_t num_tokens,
+                                          int32_t* expert_counts, int64_t* expert_counts_total, void* stream,
+                                          int path);
+
+// ---- workspace (one set of device buffers, many layers) ------------------------------------------
+
+/// epmoe::validate() on a workspace config (host only).
+EPMOE_C_EXPORT int epmoe_validate_workspace_config(const epmoe_workspace_config* cfg);
+/// epmoe::workspace_sizes(): the device bytes a workspace of `cfg` allocates per rank (host only;
+/// any output may be NULL).
+EPMOE_C_EXPORT int epmoe_workspace_sizes(const epmoe_workspace_config* cfg, int64_t* symmetric, int64_t* local,
+                                         int64_t* pool);
+/// epmoe::check_fits(): whether a layer fits a workspace (host only); the message names the field.
+EPMOE_C_EXPORT int epmoe_check_layer_fits(const epmoe_workspace_config* ws, const epmoe_layer_config* layer);
+/// Collective: epmoe::Workspace::create. `comm` cannot be destroyed while the workspace (or a layer
+/// on it) lives.
+EPMOE_C_EXPORT int epmoe_workspace_create(epmoe_comm* comm, const epmoe_workspace_config* cfg,
+                                          epmoe_workspace** out);
+/// The configuration (num_ranks filled in).
+EPMOE_C_EXPORT int epmoe_workspace_get_config(const epmoe_workspace* ws, epmoe_workspace_config* cfg);
+/// GPU memory the workspace holds on this rank, in bytes.
+EPMOE_C_EXPORT int epmoe_workspace_nbytes(const epmoe_workspace* ws, int64_t* bytes);
+/// Layers created on the workspace that are still alive.
+EPMOE_C_EXPORT int epmoe_workspace_num_layers(const epmoe_workspace* ws, int32_t* count);
+/// Releases the workspace's buffers (Workspace::close, then the handle). Fails with
+/// EPMOE_INVALID_ARGUMENT, releasing nothing (the handle stays valid), while a layer created on it
+/// lives: destroy the layers first. Collective (a bounded barrier over every rank before the
+/// symmetric window is freed). NULL is a no-op.
+EPMOE_C_EXPORT int epmoe_workspace_destroy(epmoe_workspace* ws);
+/// Collective: MoELayer::create(workspace, cfg, weights). `weights` NULL: the layer allocates its
+/// weights (epmoe_layer_load_weights copies them in); else the layer references them (no copy). The
+/// layer holds a share of the workspace's buffers: epmoe_workspace_destroy refuses while it lives.
+EPMOE_C_EXPORT int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_config* cfg,
+                                         const epmoe_weight_refs* weights, epmoe_layer** out);
+/// epmoe::w13_transform_bytes (host only; either output may be NULL).
+EPMOE_C_EXPORT int epmoe_w13_transform_bytes(int dtype, int experts_per_rank, int intermediate, int hidden,
+                                             int64_t* weight_bytes, int64_t* scale_bytes);
+/// epmoe::transform_w13 on the device that holds w13 (made current for the call; every buffer must
+/// be there, and `stream` a stream of that device): checkpoint w13 (+ scales) into the kernels'
+/// layout, into `out` (+ `out_scale`), caller-owned device memory. Stream-ordered, no sync.
+EPMOE_C_EXPORT int epmoe_transform_w13(int dtype, const void* w13, const float* w13_scale, void* out,
+                                       float* out_scale, int experts_per_rank, int intermediate, int hidden,
+                                       void* stream);
 
 // ---- standalone dispatch / combine ---------------------------------------------------------------
 

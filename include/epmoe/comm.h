@@ -42,8 +42,9 @@ inline constexpr double kDefaultHostTimeoutSeconds = 60.0;
 /// (aborted when epmoe owns the NCCL communicator; a wrapped one may be left blocked in the
 /// collective: abort it or end the process).
 ///
-/// Layers and dispatch handles share the communicator's state: it lives until the last of them is
-/// destroyed, whatever the order. close() releases it now, and fails while any of them lives.
+/// Layers, workspaces and dispatch handles share the communicator's state: it lives until the last
+/// of them is destroyed, whatever the order. close() releases it now, and fails while any of them
+/// lives.
 class Communicator {
  public:
   /// Creates a new NCCL communicator on the current CUDA device (collective: all `size` ranks call it
@@ -58,8 +59,8 @@ class Communicator {
   /// the last share: this object, or the last layer or dispatch handle made from it.
   ~Communicator();
 
-  /// Releases the state now. Fails (kInvalidArgument, nothing released) while a layer or dispatch
-  /// handle made from this communicator lives. Not collective by itself, but the NCCL communicator's
+  /// Releases the state now. Fails (kInvalidArgument, nothing released) while a layer, workspace or
+  /// dispatch handle made from this communicator lives. Not collective by itself, but the NCCL communicator's
   /// destruction is: close on every rank. After Ok, only destruction is valid.
   Status close();
   Communicator(const Communicator&) = delete;

@@ -28,6 +28,13 @@ enum class Path {
   kFused,     ///< the persistent megakernel.
 };
 
+/// Integer type of a forward call's topk_idx.
+enum class IndexType {
+  kInt32,  ///< int32 (4-byte aligned).
+  kInt64,  ///< int64, as torch.topk returns it (8-byte aligned). A value outside [-1, E) is masked
+           ///< and reported like an int32 one; it is never narrowed into range.
+};
+
 /// Shapes and options of one MoE layer, identical on every rank.
 struct LayerConfig {
   int num_ranks = 0;            ///< R, one GPU each. 1..8 on one NVLink node.
@@ -78,8 +85,13 @@ Status validate(const LayerConfig& cfg);
 Status validate_call(const LayerConfig& cfg, int64_t num_tokens, const void* x,
                      const void* topk_idx, const void* topk_weights, const void* y);
 
+/// The same for a topk_idx of type `idx_type` (int64 must be 8-byte aligned).
+Status validate_call(const LayerConfig& cfg, int64_t num_tokens, const void* x, const void* topk_idx,
+                     IndexType idx_type, const void* topk_weights, const void* y);
+
 /// Checks a routing table held in host memory: every index in [-1, E). Costs a pass over
 /// T*K integers; the forward path itself never reads device data on the host.
 Status validate_routing_host(const LayerConfig& cfg, int64_t num_tokens, const int32_t* topk_idx);
+Status validate_routing_host(const LayerConfig& cfg, int64_t num_tokens, const int64_t* topk_idx);
 
 }  // namespace epmoe

@@ -8,3 +8,4 @@
 #include "epmoe/layer.h"
 #include "epmoe/status.h"
 #include "epmoe/version.h"
+#include "epmoe/workspace.h"

@@ -5,8 +5,13 @@
 // then runs forward() any number of times on the same buffers. forward() never waits on the
 // host for device data, so it can be captured in a CUDA graph.
 //
-// Collective calls (every rank, same order): create, forward, and the destructor. Each host-side
-// collective step is bounded by LayerConfig::timeout_seconds, and every device-side wait too.
+// A layer runs on a Workspace (epmoe/workspace.h): its own private one (create(comm, cfg)), or one
+// shared by many layers (create(workspace, cfg, ...)), which allocates nothing on the device but
+// small per-layer metadata when the layer references the caller's weights (ExpertWeightRefs).
+//
+// Collective calls (every rank, same order): create, forward, and the destructor of a layer that
+// holds the last share of its workspace. Each host-side collective step is bounded by
+// LayerConfig::timeout_seconds, and every device-side wait too.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,6 +21,7 @@
 
 #include "epmoe/config.h"
 #include "epmoe/status.h"
+#include "epmoe/workspace.h"
 
 namespace epmoe {
 
@@ -33,6 +39,51 @@ struct ExpertWeights {
   bool on_device = false;
 };
 
+/// Weights by reference: device pointers on the layer's device that the layer reads on every
+/// forward and never copies; they must stay allocated and unchanged while the layer lives.
+/// FP8: w13 e4m3 [E_loc][2I][H] in the kernels' layout (transform_w13's output: gate/up 128-row
+/// blocks interleaved) with w13_scale fp32 [E_loc][2I/128][H/128] (transformed the same way);
+/// w2 e4m3 [E_loc][H][I] with w2_scale fp32 [E_loc][H/128][I/128], exactly the checkpoint layout
+/// (docs/LAYOUTS.md names the DeepSeek-V3 and Qwen3 tensors). BF16: bf16, scales null.
+/// w13 and w2 16-byte aligned, scales 4-byte aligned.
+struct ExpertWeightRefs {
+  const void* w13 = nullptr;
+  const float* w13_scale = nullptr;
+  const void* w2 = nullptr;
+  const float* w2_scale = nullptr;
+};
+
+/// Bytes of transform_w13's outputs for E_loc experts of shape (I, H): the weights and (FP8) the
+/// scales. The same as the inputs' sizes.
+struct W13Bytes {
+  int64_t weight = 0;
+  int64_t scale = 0;
+};
+W13Bytes w13_transform_bytes(DType dtype, int experts_per_rank, int intermediate, int hidden);
+
+/// The one-time W1 transform (docs/GEMM.md, "The W1 interleave"): w13 in the checkpoint layout
+/// (per expert rows 0..I-1 gate_proj, I..2I-1 up_proj; FP8 with its [2I/128][H/128] scales) into
+/// the kernels' layout, written to `out` / `out_scale` (device memory the caller owns, sizes from
+/// w13_transform_bytes, not aliasing the inputs). Stream-ordered, no sync, no allocation.
+Status transform_w13(DType dtype, const void* w13, const float* w13_scale, void* out, float* out_scale,
+                     int experts_per_rank, int intermediate, int hidden, cudaStream_t stream);
+
+/// One forward call's arguments (device pointers).
+struct ForwardArgs {
+  const void* x = nullptr;              ///< [T][H] bf16, 16-byte aligned
+  const void* topk_idx = nullptr;       ///< [T][K] int32 or int64 (idx_type), each in [-1, E)
+  IndexType idx_type = IndexType::kInt32;
+  const float* topk_weights = nullptr;  ///< [T][K] fp32
+  void* y = nullptr;                    ///< [T][H] bf16, 16-byte aligned
+  int64_t num_tokens = 0;               ///< T of this rank, 0 <= T <= T_max
+  /// Optional [E_loc] int32: per local expert, the rows it received in this call (from every
+  /// rank; one row per (token, slot)), written on the stream after the call, no host sync.
+  int32_t* expert_counts = nullptr;
+  /// Optional [E_loc] int64: the same counts added on (a running sum across calls; the caller
+  /// zeroes it when it wants to start over).
+  int64_t* expert_counts_total = nullptr;
+};
+
 class MoELayer {
  public:
   /// Validates `cfg` (see validate()) against the communicator's rank count and allocates every
@@ -44,12 +95,21 @@ class MoELayer {
   /// state, so it stays valid even if `comm` is destroyed first.
   static Status create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out);
 
+  /// A layer on a shared workspace: checks that cfg fits it (check_fits: the message names the
+  /// field), agrees on cfg across ranks and plans the GEMMs. Collective (every rank, same cfg).
+  /// With `weights` the layer references the caller's weights (no copy, no device allocation
+  /// beyond small metadata; load_weights is then an error); without, it allocates its weights and
+  /// load_weights copies them in. The layer holds a share of the workspace's buffers.
+  static Status create(Workspace& workspace, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out,
+                       const ExpertWeightRefs* weights = nullptr);
+
   /// Collective: frees the symmetric memory with a barrier over every rank (bounded by
   /// timeout_seconds; a rank that never destroys its layer makes the others log the timeout and
   /// leak the memory, and leaves the communicator unusable).
   virtual ~MoELayer() = default;
 
-  /// Copies and transforms this rank's local experts into the kernels' layout.
+  /// Copies and transforms this rank's local experts into the kernels' layout (layers created
+  /// without ExpertWeightRefs).
   virtual Status load_weights(const ExpertWeights& weights, cudaStream_t stream) = 0;
 
   /// y[T][H] bf16 = the MoE layer of SPEC.md on x[T][H] bf16, topk_idx[T][K] int32,
@@ -71,6 +131,8 @@ class MoELayer {
   /// layer may be used from several streams; its calls do not run concurrently.
   virtual Status forward(const void* x, const int32_t* topk_idx, const float* topk_weights,
                          void* y, int64_t num_tokens, cudaStream_t stream, Path path) = 0;
+  /// The same with int32 or int64 routing and the optional expert counts (ForwardArgs).
+  virtual Status forward(const ForwardArgs& args, cudaStream_t stream, Path path) = 0;
 
   /// The explicit check: synchronizes `stream` and reports an error the device recorded since the
   /// last check or forward (a bad expert index, a wait that timed out). Not for the forward path.

@@ -14,11 +14,11 @@ is printed. The rows split a call of the operator into its parts:
                          kernel) whose body is one new_empty: torch's dispatcher + Python kernel
   noop custom_op         the same body as a torch.library.custom_op (what epmoe does not use:
                          its Python wrappers cost more per eager call)
-  C forward only         epmoe_layer_forward through the cached ctypes function, pointers ready:
+  C forward only         epmoe_layer_forward_ex through the cached ctypes function, pointers ready:
                          the library's own host time (its kernel launches)
   epmoe op (int32)       torch.ops.epmoe.moe_forward: all of the above plus the argument checks
   MoE module (int32)     the nn.Module around it (nn.Module.__call__ adds its hooks check)
-  MoE module (int64)     + the int64 -> int32 narrowing (two small kernels in eager mode)
+  MoE module (int64)     the same with torch.topk's int64 indices (read as they are, no copy)
   epmoe.Layer(out=)      the DLPack path of epmoe.Layer.__call__, for comparison
 
 --cpu replaces the C call by a no-op and runs the CPU tensors through the same code, so the Python
@@ -168,7 +168,7 @@ def run_gpu(args) -> int:
     _bench_lib.impl("noop", _noop, "CUDA")
     bound = et._registry[key]
     handle, c_forward = moe.layer._handle, bound.c_forward
-    ptrs = (x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr())
+    xp, ip, wp, op_ = x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr()
     raw = torch._C._cuda_getCurrentRawStream
     path_code = et._PATHS[args.path]
 
@@ -180,7 +180,8 @@ def run_gpu(args) -> int:
         ("torch.empty", lambda: torch.empty((t, h), dtype=torch.bfloat16, device=dev)),
         ("noop op", lambda: noop(x, idx, w, key)),
         ("noop custom_op", lambda: custom(x, idx, w, key)),
-        ("C forward only", lambda: c_forward(handle, *ptrs, t, raw(local), path_code)),
+        ("C forward only", lambda: c_forward(handle, xp, ip, 0, wp, op_, t, None, None, raw(local),
+                                             path_code)),
         ("epmoe op (int32)", lambda: op(x, idx, w, key, args.path)),
         ("MoE module (int32)", lambda: moe(x, idx, w)),
         ("MoE module (int64)", lambda: moe(x, idx64, w)),

@@ -8,6 +8,9 @@ caller's current stream. See docs/PYTHON.md in the repository.
                         max_tokens_per_rank=4096, dtype="fp8")   # None: torch's default group
     layer.load_weights(w1, w1_scale, w2, w2_scale)
     y = layer(x, topk_idx, topk_weights)
+
+Many layers share one set of device buffers through an epmoe.Workspace
+(``Layer(..., workspace=ws, weights=...)``).
 """
 
 from ._dlpack import DeviceArray
@@ -17,13 +20,16 @@ from ._lib import C_API_VERSION, library_path
 from .comm import Communicator, get_unique_id
 from .dispatch import Dispatcher
 from .layer import Layer, LayerConfig
+from .weights import transform_w13
+from .workspace import Workspace, WorkspaceConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "CudaError", "DeviceArray", "DeviceTimeout", "Dispatcher", "Error",
     "InternalError", "InvalidArgument", "Layer", "LayerConfig", "LibraryError", "NcclError",
-    "UnsupportedError", "get_unique_id", "library_path", "nccl_version", "version",
+    "UnsupportedError", "Workspace", "WorkspaceConfig", "get_unique_id", "library_path",
+    "nccl_version", "transform_w13", "version",
 ]
 
 

@@ -19,6 +19,9 @@ BF16 = ("bfloat16", "uint16", "int16")
 FP8 = ("float8_e4m3fn", "uint8", "int8")
 FP32 = ("float32",)
 INT32 = ("int32",)
+INT64 = ("int64",)
+INDEX = ("int32", "int64")  # topk_idx: either, no conversion
+WEIGHT = FP8 + BF16  # a weight tensor of either mode (the dtype tells which)
 
 
 def int_arg(name: str, value: Any, minimum: int | None = None) -> int:
@@ -53,6 +56,10 @@ def _dtype_text(dtypes: Iterable[str]) -> str:
     dtypes = tuple(dtypes)
     if len(dtypes) == 1:
         return dtypes[0]
+    if dtypes == INDEX:
+        return "int32 or int64"
+    if dtypes == WEIGHT:
+        return "float8_e4m3fn or bfloat16 (or a same-width integer type holding the bits)"
     return f"{dtypes[0]} (or {' / '.join(dtypes[1:])} holding its bits)"
 
 

@@ -11,7 +11,7 @@ from ctypes import c_void_p, c_size_t
 from ._errors import LibraryError, error_for
 
 # Must equal EPMOE_C_API_VERSION of the library this package was written for.
-C_API_VERSION = 3
+C_API_VERSION = 4
 UNIQUE_ID_BYTES = 128
 LIBRARY_NAME = "libepmoe_c.so"
 
@@ -21,6 +21,8 @@ PATH_PIPELINE = 0
 PATH_FUSED = 1
 PARTIALS_FP32 = 0
 PARTIALS_BF16 = 1
+INDEX_INT32 = 0
+INDEX_INT64 = 1
 
 
 class LayerConfigC(ctypes.Structure):
@@ -41,6 +43,28 @@ class LayerConfigC(ctypes.Structure):
         ("strict_routing", c_int32),
         ("reserved", c_int32),
     ]
+
+
+class WorkspaceConfigC(ctypes.Structure):
+    """epmoe_workspace_config."""
+
+    _fields_ = [
+        ("num_ranks", c_int32),
+        ("max_experts_per_rank", c_int32),
+        ("max_hidden", c_int32),
+        ("max_intermediate", c_int32),
+        ("max_topk", c_int32),
+        ("max_tokens_per_rank", c_int32),
+        ("dtype", c_int32),
+        ("reserved", c_int32),
+        ("timeout_seconds", c_double),
+    ]
+
+
+class WeightRefsC(ctypes.Structure):
+    """epmoe_weight_refs."""
+
+    _fields_ = [("w13", c_void_p), ("w13_scale", c_void_p), ("w2", c_void_p), ("w2_scale", c_void_p)]
 
 
 class DispatchConfigC(ctypes.Structure):
@@ -102,6 +126,18 @@ _PROTOTYPES = {
     "epmoe_layer_forward": (c_int, [_P, _P, _P, _P, _P, c_int64, _P, c_int]),
     "epmoe_layer_check_device_error": (c_int, [_P, _P]),
     "epmoe_layer_destroy": (c_int, [_P]),
+    "epmoe_layer_forward_ex": (c_int, [_P, _P, _P, c_int, _P, _P, c_int64, _P, _P, _P, c_int]),
+    "epmoe_validate_workspace_config": (c_int, [POINTER(WorkspaceConfigC)]),
+    "epmoe_workspace_sizes": (c_int, [POINTER(WorkspaceConfigC), POINTER(c_int64), POINTER(c_int64), POINTER(c_int64)]),
+    "epmoe_check_layer_fits": (c_int, [POINTER(WorkspaceConfigC), POINTER(LayerConfigC)]),
+    "epmoe_workspace_create": (c_int, [_P, POINTER(WorkspaceConfigC), POINTER(_P)]),
+    "epmoe_workspace_get_config": (c_int, [_P, POINTER(WorkspaceConfigC)]),
+    "epmoe_workspace_nbytes": (c_int, [_P, POINTER(c_int64)]),
+    "epmoe_workspace_num_layers": (c_int, [_P, POINTER(c_int32)]),
+    "epmoe_workspace_destroy": (c_int, [_P]),
+    "epmoe_layer_create_on": (c_int, [_P, POINTER(LayerConfigC), POINTER(WeightRefsC), POINTER(_P)]),
+    "epmoe_w13_transform_bytes": (c_int, [c_int, c_int, c_int, c_int, POINTER(c_int64), POINTER(c_int64)]),
+    "epmoe_transform_w13": (c_int, [c_int, _P, _P, _P, _P, c_int, c_int, c_int, _P]),
     "epmoe_dispatch_create": (c_int, [_P, POINTER(DispatchConfigC), POINTER(_P)]),
     "epmoe_dispatch_get_pool": (c_int, [_P, POINTER(PoolViewC)]),
     "epmoe_dispatch_run": (c_int, [_P, _P, _P, _P, c_int64, _P]),

@@ -7,8 +7,8 @@ that host time is longer than the GPU's work (one token per rank runs in ~75 us 
 Qwen3-like shape), so it became the call's time. Here a call costs attribute reads and one C call.
 
 Taken only where it means exactly what the DLPack path means: every tensor a strided torch CUDA
-tensor of the SPEC dtype and no explicit stream (the DLPack path then tells torch -1: no
-synchronization, run on torch's current stream). Anything else, and any argument that fails a
+tensor of the SPEC dtype (topk_idx int32 or int64), no explicit stream (the DLPack path then tells
+torch -1: no synchronization, run on torch's current stream) and no expert counts requested. Anything else, and any argument that fails a
 check, goes to the DLPack path, whose messages name the argument."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-_BF16, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
+_BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 _STRIDED = torch.strided
 # Why the private call: torch's own generated code (inductor) uses it; torch.cuda.current_stream()
 # builds a Stream object per call.
@@ -30,19 +30,23 @@ def _ok(v: Any, dtype: Any, dev: int, rows: int, cols: int) -> bool:
             and v.is_contiguous())
 
 
-def forward(c_forward: Any, handle: int, dev: int, hidden: int, topk: int, t_max: int,
+def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_max: int,
             x: Any, topk_idx: Any, topk_weights: Any, out: Any, path_code: int,
-            raw_stream: Any = _raw_stream) -> tuple[bool, Any, int]:
-    """(True, out, status of the C call `c_forward`), the caller raising for a nonzero status; or
-    (False, None, 0): not taken, nothing done (no allocation, no call)."""
-    if type(x) is not torch.Tensor or x.dim() != 2:
+            idx_int32: int, idx_int64: int, raw_stream: Any = _raw_stream) -> tuple[bool, Any, int]:
+    """(True, out, status of the C call `c_forward_ex` (epmoe_layer_forward_ex, no expert
+    counts)), the caller raising for a nonzero status; or (False, None, 0): not taken, nothing done
+    (no allocation, no call). topk_idx may be int32 or int64 (idx_int32 / idx_int64: the C codes)."""
+    if type(x) is not torch.Tensor or x.dim() != 2 or type(topk_idx) is not torch.Tensor:
         return False, None, 0
     t = x.shape[0]
-    if not (0 <= t <= t_max and _ok(x, _BF16, dev, t, hidden) and _ok(topk_idx, _I32, dev, t, topk)
+    wide = topk_idx.dtype is _I64
+    if not (0 <= t <= t_max and _ok(x, _BF16, dev, t, hidden)
+            and _ok(topk_idx, _I64 if wide else _I32, dev, t, topk)
             and _ok(topk_weights, _F32, dev, t, topk)):
         return False, None, 0
     xp, ip, wp = x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
-    if t and (xp % 16 or ip % 4 or wp % 4):
+    isize = 8 if wide else 4
+    if t and (xp % 16 or ip % isize or wp % 4):
         return False, None, 0
     if out is None:
         out = torch.empty((t, hidden), dtype=_BF16, device=x.device)
@@ -53,9 +57,9 @@ def forward(c_forward: Any, handle: int, dev: int, hidden: int, topk: int, t_max
         # The output may not share memory with an input (peers read the inputs while it is
         # written): the DLPack path's no_overlap check, on the same byte ranges.
         lo, hi = op, op + t * hidden * 2
-        for p, n in ((xp, t * hidden * 2), (ip, t * topk * 4), (wp, t * topk * 4)):
+        for p, n in ((xp, t * hidden * 2), (ip, t * topk * isize), (wp, t * topk * 4)):
             if p < hi and lo < p + n:
                 return False, None, 0
-    status = c_forward(handle, xp or None, ip or None, wp or None, op or None, t, raw_stream(dev),
-                       path_code)
+    status = c_forward_ex(handle, xp or None, ip or None, idx_int64 if wide else idx_int32,
+                          wp or None, op or None, t, None, None, raw_stream(dev), path_code)
     return True, out, status

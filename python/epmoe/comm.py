@@ -134,3 +134,21 @@ class Communicator:
         if self._handle is None:
             raise InvalidArgument("this Communicator was closed")
         return self._handle
+
+
+def as_communicator(group_or_comm: Any) -> Communicator:
+    """An epmoe.Communicator from what Layer, Workspace and Dispatcher take as their first argument:
+    a Communicator, a torch.distributed process group (None: the default group) or an ncclComm_t
+    as an int."""
+    if isinstance(group_or_comm, Communicator):
+        return group_or_comm
+    if isinstance(group_or_comm, bool):
+        raise InvalidArgument("group_or_comm must be an epmoe.Communicator, a torch.distributed "
+                              "process group (or None for the default group) or an ncclComm_t int")
+    if isinstance(group_or_comm, int):
+        return Communicator.from_nccl_comm(group_or_comm)
+    if group_or_comm is None or type(group_or_comm).__module__.split(".")[0] == "torch":
+        return Communicator.from_torch(group_or_comm)
+    raise InvalidArgument(f"group_or_comm must be an epmoe.Communicator, a torch.distributed "
+                          f"process group (or None for the default group) or an ncclComm_t int; "
+                          f"got {type(group_or_comm).__module__}.{type(group_or_comm).__qualname__}")

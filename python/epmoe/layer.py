@@ -7,10 +7,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from . import _checks, _frameworks, _lib
-from ._checks import BF16, FP8, FP32, INT32, choice_arg, float_arg, int_arg
-from ._errors import InvalidArgument
-from .comm import Communicator
+from . import _checks, _frameworks, _lib, weights as _weights
+from ._checks import BF16, FP8, FP32, INDEX, INT32, INT64, choice_arg, float_arg, int_arg
+from ._errors import Error, InvalidArgument
+from .comm import Communicator, as_communicator
+from .workspace import Workspace
 
 DTYPES = {"fp8": _lib.DTYPE_FP8, "bf16": _lib.DTYPE_BF16}
 PATHS = {"fused": _lib.PATH_FUSED, "pipeline": _lib.PATH_PIPELINE}
@@ -101,24 +102,13 @@ class LayerConfig:
         }
 
 
-def _as_communicator(group_or_comm: Any) -> Communicator:
-    if isinstance(group_or_comm, Communicator):
-        return group_or_comm
-    if isinstance(group_or_comm, bool):
-        raise InvalidArgument("group_or_comm must be an epmoe.Communicator, a torch.distributed "
-                              "process group (or None for the default group) or an ncclComm_t int")
-    if isinstance(group_or_comm, int):
-        return Communicator.from_nccl_comm(group_or_comm)
-    if group_or_comm is None or type(group_or_comm).__module__.split(".")[0] == "torch":
-        return Communicator.from_torch(group_or_comm)
-    raise InvalidArgument(f"group_or_comm must be an epmoe.Communicator, a torch.distributed "
-                          f"process group (or None for the default group) or an ncclComm_t int; "
-                          f"got {type(group_or_comm).__module__}.{type(group_or_comm).__qualname__}")
+# The first argument of Layer and Dispatcher (comm.as_communicator).
+_as_communicator = as_communicator
 
 
-def _destroy(handle: int, comm: Communicator) -> None:
-    # `comm` is an argument so that the communicator outlives the layer (its close() fails while
-    # the layer lives).
+def _destroy(handle: int, comm: Communicator, workspace: Any = None, weights: Any = None) -> None:
+    # The communicator, the workspace and the referenced weights are arguments so that they
+    # outlive the layer (the first two refuse to close while it lives; it reads the weights).
     _lib.lib().epmoe_layer_destroy(handle)
 
 
@@ -150,25 +140,72 @@ class Layer:
         strict_routing: a debugging aid: every call copies topk_idx to the host and checks it on
             every rank before launching (raises InvalidArgument on every rank, naming the rank and
             slot). It synchronizes, so it is slow and cannot be captured in a CUDA graph.
+        workspace: an :class:`epmoe.Workspace` to run on (shared with other layers; the layer must
+            fit it, and group_or_comm must be None or its communicator). None: the layer makes a
+            private one of exactly its size.
+        weights: with a workspace, the weights by reference: a dict with keys 'w13', 'w13_scale',
+            'w2', 'w2_scale' (scales None or absent in bf16 mode), tensors on this rank's GPU that
+            the layer reads on every call and never copies: w13 in the kernels' layout
+            (:func:`epmoe.transform_w13`'s output), w2 and the scales as load_weights takes them.
+            The layer keeps them alive; change them only between calls. None: the layer allocates
+            its weights and load_weights copies them in.
     """
 
     def __init__(self, group_or_comm: Any, num_experts: int, hidden: int, intermediate: int,
                  topk: int, max_tokens_per_rank: int, dtype: str = "fp8",
                  activation_clamp: float | None = None, *, pow2_scales: bool = False,
                  combine_partials: str = "fp32", timeout_seconds: float = 10.0,
-                 strict_routing: bool = False):
-        comm = _as_communicator(group_or_comm)
+                 strict_routing: bool = False, workspace: Workspace | None = None,
+                 weights: Any = None):
+        if workspace is None:
+            if weights is not None:
+                raise InvalidArgument("weights= (weights by reference) needs workspace=: a layer "
+                                      "without a workspace copies its weights (load_weights)")
+            comm = _as_communicator(group_or_comm)
+        else:
+            if not isinstance(workspace, Workspace):
+                raise InvalidArgument(f"workspace must be an epmoe.Workspace, got "
+                                      f"{type(workspace).__module__}.{type(workspace).__qualname__}")
+            ws_handle = workspace._live_handle()  # "this Workspace was closed"
+            comm = workspace.comm
+            if group_or_comm is not None and group_or_comm is not comm:
+                raise InvalidArgument("group_or_comm must be None or the workspace's communicator: a "
+                                      "layer runs on the communicator of its workspace")
         self.config = LayerConfig(comm.size, num_experts, hidden, intermediate, topk,
                                   max_tokens_per_rank, dtype, activation_clamp,
                                   pow2_scales, combine_partials, timeout_seconds,
                                   strict_routing).validate()
         c = self.config.to_c()
         handle = ctypes.c_void_p()
-        _lib.call("epmoe_layer_create", comm.handle, ctypes.byref(c), ctypes.byref(handle))
+        kept = None
+        if workspace is None:
+            _lib.call("epmoe_layer_create", comm.handle, ctypes.byref(c), ctypes.byref(handle))
+        else:
+            refs, refused = None, None
+            if weights is not None:
+                try:
+                    refs, kept = _weights.weight_refs(weights, self.config, comm.device)
+                except InvalidArgument as e:
+                    # Why still call in: creation is collective. References the library refuses
+                    # make every rank fail together (with this rank named) instead of leaving the
+                    # peers to wait for this one until their timeout.
+                    refs, refused = _weights.null_refs(), e
+            try:
+                _lib.call("epmoe_layer_create_on", ws_handle, ctypes.byref(c),
+                          None if refs is None else ctypes.byref(refs), ctypes.byref(handle))
+            except Error as e:
+                if refused is not None:
+                    raise refused from e
+                raise
+            if refused is not None:  # not reached: the library refuses null references
+                _lib.lib().epmoe_layer_destroy(handle.value)
+                raise refused
         self._handle = handle.value
         self.comm = comm
         self.device = comm.device
-        self._finalizer = weakref.finalize(self, _destroy, self._handle, comm)
+        self.workspace = workspace
+        self.by_reference = kept is not None
+        self._finalizer = weakref.finalize(self, _destroy, self._handle, comm, workspace, kept)
         # Why: destroying it is collective (NCCL window deregistration); at interpreter exit a
         # peer may already be gone, so leave it to process teardown, as Communicator does.
         self._finalizer.atexit = False
@@ -191,6 +228,10 @@ class Layer:
         projection. The four tensors are either all on this rank's GPU or all in host memory.
         """
         handle = self._live_handle()
+        if getattr(self, "by_reference", False):
+            raise InvalidArgument("load_weights: this layer references its weights (created with "
+                                  "weights=); it copies nothing: write into those tensors instead "
+                                  "(W1 through epmoe.transform_w13)")
         shapes = self.config.weight_shapes()
         fp8 = self.config.dtype == "fp8"
         s, ds = _frameworks.resolve_stream(stream, w1, self.device)
@@ -222,13 +263,19 @@ class Layer:
     # ---- forward ------------------------------------------------------------------------------
 
     def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, out: Any = None,
-                 path: str = "pipeline", stream: Any = None) -> Any:
+                 path: str = "pipeline", stream: Any = None, *, expert_counts: Any = None,
+                 expert_counts_total: Any = None) -> Any:
         """y = the MoE layer of SPEC.md; returns `out` (allocated if None: torch and CuPy).
 
-        x [T, H] bf16, topk_idx [T, K] int32 (each in [0, E) or -1), topk_weights [T, K] fp32,
-        out [T, H] bf16, all on this rank's GPU. Runs on `stream` (default: the framework's
-        current stream, e.g. torch.cuda.current_stream()) and never synchronizes with the host
-        (unless strict_routing), so it can be captured in a CUDA graph. An out-of-range expert
+        x [T, H] bf16, topk_idx [T, K] int32 or int64 (each in [0, E) or -1; int64 is read as
+        it is, an index beyond int32 is reported, never wrapped), topk_weights [T, K] fp32,
+        out [T, H] bf16, all on this rank's GPU. Optional, on the same GPU: expert_counts
+        [E_loc] int32 receives the rows each local expert got in this call (from every rank),
+        expert_counts_total [E_loc] int64 has them added on (a running sum; zero it to restart);
+        both written on the stream after the call, without a sync. Runs on `stream` (default:
+        the framework's current stream, e.g. torch.cuda.current_stream()) and never synchronizes
+        with the host (unless strict_routing), so it can be captured in a CUDA graph. An
+        out-of-range expert
         index is found on the GPU (its slot is masked) and the next call on this rank raises
         InvalidArgument naming it, after running normally; a device wait that timed out makes the
         next call raise DeviceTimeout without running. :meth:`check_device_error` is the explicit,
@@ -238,11 +285,13 @@ class Layer:
         handle = self._live_handle()
         path_code = choice_arg("path", path, PATHS)
         c = self.config
-        if stream is None and type(x).__module__.startswith("torch"):
+        if (stream is None and expert_counts is None and expert_counts_total is None
+                and type(x).__module__.startswith("torch")):
             from . import _torch_fast
             taken, result, status = _torch_fast.forward(
-                _lib.lib().epmoe_layer_forward, handle, self.device, c.hidden, c.topk,
-                c.max_tokens_per_rank, x, topk_idx, topk_weights, out, path_code)
+                _lib.lib().epmoe_layer_forward_ex, handle, self.device, c.hidden, c.topk,
+                c.max_tokens_per_rank, x, topk_idx, topk_weights, out, path_code,
+                _lib.INDEX_INT32, _lib.INDEX_INT64)
             if taken:
                 _lib.check(status)
                 return result
@@ -253,8 +302,11 @@ class Layer:
         if t > c.max_tokens_per_rank:
             raise InvalidArgument(f"x has T={t} tokens but the layer was created with "
                                   f"max_tokens_per_rank={c.max_tokens_per_rank}")
-        iv = _checks.tensor(topk_idx, "topk_idx", dtypes=INT32, shape=(t, c.topk),
+        iv = _checks.tensor(topk_idx, "topk_idx", dtypes=INDEX, shape=(t, c.topk),
                             dims=("T", "topk"), device=self.device, stream=ds)
+        if iv.dtype == "int64" and iv.numel and iv.ptr % 8:
+            raise InvalidArgument(f"topk_idx (int64) must start at an 8-byte aligned address; its "
+                                  f"data starts at 0x{iv.ptr:x}")
         wv = _checks.tensor(topk_weights, "topk_weights", dtypes=FP32, shape=(t, c.topk),
                             dims=("T", "topk"), device=self.device, stream=ds)
         if out is None:
@@ -262,8 +314,21 @@ class Layer:
         ov = _checks.tensor(out, "out", dtypes=BF16, shape=(t, c.hidden), dims=("T", "hidden"),
                             device=self.device, stream=ds, align=16, writable=True)
         _checks.no_overlap(ov, xv, iv, wv)
-        _lib.call("epmoe_layer_forward", handle, xv.ptr or None, iv.ptr or None, wv.ptr or None,
-                  ov.ptr or None, t, s, path_code)
+        counts = []
+        for name, obj, dtypes, align in (("expert_counts", expert_counts, INT32, 4),
+                                         ("expert_counts_total", expert_counts_total, INT64, 8)):
+            if obj is None:
+                counts.append(None)
+                continue
+            v = _checks.tensor(obj, name, dtypes=dtypes, shape=(c.experts_per_rank,),
+                               dims=("E_loc",), device=self.device, stream=ds, align=align,
+                               writable=True)
+            _checks.no_overlap(v, xv, iv, wv, ov, *[u for u in counts if u is not None])
+            counts.append(v)
+        idx_type = _lib.INDEX_INT64 if iv.dtype == "int64" else _lib.INDEX_INT32
+        _lib.call("epmoe_layer_forward_ex", handle, xv.ptr or None, iv.ptr or None, idx_type,
+                  wv.ptr or None, ov.ptr or None, t, counts[0].ptr if counts[0] else None,
+                  counts[1].ptr if counts[1] else None, s, path_code)
         return out
 
     forward = __call__
@@ -276,8 +341,9 @@ class Layer:
         _lib.call("epmoe_layer_check_device_error", handle, s)
 
     def close(self) -> None:
-        """Frees the layer's GPU buffers now (also done when the object is collected). Collective:
-        every rank closes its layer."""
+        """Frees the layer's GPU buffers now (also done when the object is collected); on a shared
+        workspace, drops its share (the workspace can then close). Collective: every rank closes
+        its layer."""
         if self._handle is not None:
             handle, self._handle = self._handle, None
             self._finalizer.detach()

@@ -7,9 +7,11 @@
     moe.load_weights(w1, w1_scale, w2, w2_scale)
     y = moe(x, topk_idx, topk_weights)          # topk_idx int32 or int64 (torch.topk's)
 
-The operator takes tensors and scalars only, so it names its layer by an int key into a
-registry of this process (:func:`register_layer`). Importing this module imports torch; the
-rest of epmoe never does. See docs/PYTHON.md.
+Many modules share one epmoe.Workspace (``MoE(..., workspace=ws)``): the GPU memory epmoe holds
+is then that workspace, whatever the number of modules. The operator takes tensors and scalars
+only, so it names its layer by an int key into a registry of this process
+(:func:`register_layer`). Importing this module imports torch; the rest of epmoe never does.
+See docs/PYTHON.md.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch
 
 from . import _lib
 from ._errors import InvalidArgument
-from .layer import Layer
+from .layer import Layer, LayerConfig
+from .weights import transform_w13
+from .workspace import Workspace
 
 __all__ = ["MoE", "moe_forward", "register_layer", "unregister_layer", "registered_layer"]
 
@@ -37,44 +41,73 @@ class _Bound:
     """What one call of the operator needs of a layer, read once at registration, so that a call
     costs a few attribute reads, one allocation and one C call (no DLPack, no ctypes lookups)."""
 
-    __slots__ = ("layer", "key", "device_index", "hidden", "topk", "num_experts", "t_max",
-                 "c_forward", "raw_stream")
+    __slots__ = ("layer", "key", "device_index", "hidden", "topk", "e_loc", "t_max", "c_forward",
+                 "raw_stream")
 
     def __init__(self, layer: Layer, key: int):
         c = layer.config
         self.layer, self.key = layer, key
         self.device_index = layer.device
-        self.hidden, self.topk, self.num_experts = c.hidden, c.topk, c.num_experts
+        self.hidden, self.topk, self.e_loc = c.hidden, c.topk, c.experts_per_rank
         self.t_max = c.max_tokens_per_rank
         # Why cached here: Layer.__call__ reads each tensor through a DLPack capsule and looks the
         # C function up by name on every call; a torch tensor gives its pointer directly.
-        self.c_forward = _lib.lib().epmoe_layer_forward
+        self.c_forward = _lib.lib().epmoe_layer_forward_ex
         self.raw_stream = _raw_stream
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                path: str) -> torch.Tensor:
+                path: str, counts_ptr: int | None = None,
+                total_ptr: int | None = None) -> torch.Tensor:
         handle = self.layer._handle
-        if topk_idx.dtype is _I64:
-            topk_idx = idx_to_int32(topk_idx, self.num_experts)
         dev = self.device_index
         t = x.shape[0] if x.dim() == 2 else -1
         k = (t, self.topk)
+        it = topk_idx.dtype
         # One boolean chain on the hot path; _explain() names the failing argument.
         if not (handle is not None and x.dtype is _BF16 and 0 <= t <= self.t_max
-                and x.shape[1] == self.hidden and topk_idx.dtype is _I32 and topk_idx.shape == k
-                and topk_weights.dtype is _F32 and topk_weights.shape == k
-                and x.get_device() == dev and topk_idx.get_device() == dev
-                and topk_weights.get_device() == dev and x.is_contiguous()
-                and topk_idx.is_contiguous() and topk_weights.is_contiguous()
-                and x.data_ptr() % 16 == 0 and path in _PATHS):
+                and x.shape[1] == self.hidden and (it is _I32 or it is _I64)
+                and topk_idx.shape == k and topk_weights.dtype is _F32
+                and topk_weights.shape == k and x.get_device() == dev
+                and topk_idx.get_device() == dev and topk_weights.get_device() == dev
+                and x.is_contiguous() and topk_idx.is_contiguous()
+                and topk_weights.is_contiguous() and x.data_ptr() % 16 == 0 and path in _PATHS):
             self._explain(x, topk_idx, topk_weights, path)
         out = x.new_empty((t, self.hidden))
-        status = self.c_forward(handle, x.data_ptr(), topk_idx.data_ptr(),
-                                topk_weights.data_ptr(), out.data_ptr(), t,
+        # int64 indices go in as they are: the kernels read either width (no conversion copy).
+        status = self.c_forward(handle, x.data_ptr(), topk_idx.data_ptr(), 1 if it is _I64 else 0,
+                                topk_weights.data_ptr(), out.data_ptr(), t, counts_ptr, total_ptr,
                                 self.raw_stream(dev), _PATHS[path])
         if status:
             _lib.check(status)
         return out
+
+    def forward_counts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       path: str, want_counts: bool, total: torch.Tensor | None):
+        """(y, this call's expert counts [E_loc] int32 or None); the counts are also added to
+        `total` [E_loc] int64 when given (in the same launch)."""
+        if total is not None:
+            self.check_total(total)
+        counts = torch.empty((self.e_loc,), dtype=_I32, device=x.device) if want_counts else None
+        y = self.forward(x, topk_idx, topk_weights, path,
+                         None if counts is None else counts.data_ptr(),
+                         None if total is None else total.data_ptr())
+        return y, counts
+
+    def check_total(self, total: Any) -> None:
+        """A running sum of expert counts: an int64 [E_loc] contiguous tensor on the layer's GPU."""
+        if not isinstance(total, torch.Tensor):
+            raise InvalidArgument(f"expert_counts_total must be a torch.Tensor, got "
+                                  f"{type(total).__name__}")
+        dev = self.device_index
+        if total.get_device() != dev:
+            here = f"cuda:{total.get_device()}" if total.get_device() >= 0 else str(total.device)
+            raise InvalidArgument(f"expert_counts_total is on {here} but this epmoe layer lives on "
+                                  f"{f'cuda:{dev}' if dev >= 0 else 'cpu'}")
+        if total.dtype is not _I64 or tuple(total.shape) != (self.e_loc,) or not total.is_contiguous():
+            raise InvalidArgument(f"expert_counts_total must be a contiguous int64 tensor of shape "
+                                  f"({self.e_loc},) = (E_loc,); got "
+                                  f"{str(total.dtype).replace('torch.', '')} {tuple(total.shape)}"
+                                  f"{'' if total.is_contiguous() else ', not contiguous'}")
 
     def _explain(self, x, topk_idx, topk_weights, path) -> None:
         if self.layer._handle is None:
@@ -182,6 +215,18 @@ def _moe_forward_cuda(x, topk_idx, topk_weights, layer, path="pipeline"):
 
 _library.impl("moe_forward", _moe_forward_cuda, "CUDA")
 
+# The same call with this call's expert counts ([E_loc] int32: rows each local expert received from
+# every rank) as a second output. A separate operator, so that moe_forward's schema stays as it is.
+_library.define("moe_forward_counts(Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, "
+                "str path='pipeline') -> (Tensor, Tensor)")
+
+
+def _moe_forward_counts_cuda(x, topk_idx, topk_weights, layer, path="pipeline"):
+    return _bound(layer).forward_counts(x, topk_idx, topk_weights, path, True, None)
+
+
+_library.impl("moe_forward_counts", _moe_forward_counts_cuda, "CUDA")
+
 
 @torch.library.register_fake("epmoe::moe_forward")
 def _moe_forward_fake(x, topk_idx, topk_weights, layer, path="pipeline"):
@@ -211,13 +256,22 @@ def _moe_forward_fake(x, topk_idx, topk_weights, layer, path="pipeline"):
     return x.new_empty((x.shape[0], hidden))
 
 
+@torch.library.register_fake("epmoe::moe_forward_counts")
+def _moe_forward_counts_fake(x, topk_idx, topk_weights, layer, path="pipeline"):
+    y = _moe_forward_fake(x, topk_idx, topk_weights, layer, path)
+    b = _bound(layer)  # the counts' length is the layer's: it must be registered
+    return y, x.new_empty((b.e_loc,), dtype=_I32)
+
+
 _OP = torch.ops.epmoe.moe_forward.default
-try:
-    # Why: every rank must make the same number of these collective calls; an unused result must
-    # not let a graph pass drop one.
-    torch.fx.node.has_side_effect(_OP)
-except AttributeError:  # an older torch without the registry: nothing to do
-    pass
+_OP_COUNTS = torch.ops.epmoe.moe_forward_counts.default
+for _op in (_OP, _OP_COUNTS):
+    try:
+        # Why: every rank must make the same number of these collective calls; an unused result
+        # must not let a graph pass drop one.
+        torch.fx.node.has_side_effect(_op)
+    except AttributeError:  # an older torch without the registry: nothing to do
+        pass
 
 
 def _plain_eager(x: Any) -> bool:
@@ -236,36 +290,54 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 _function_modes = getattr(torch._C, "_len_torch_function_stack", lambda: 1)
 
 
-def idx_to_int32(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 routing indices as the int32 the kernels read: one elementwise pass on the device
-    (two small kernels in eager mode, one fused kernel under torch.compile). Out-of-range values
-    saturate to other out-of-range values (-2 or num_experts), so the device still reports them."""
-    return topk_idx.clamp(-2, num_experts).to(_I32)
-
-
 def moe_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                layer: Any, path: str | None = None) -> torch.Tensor:
+                layer: Any, path: str | None = None, *, return_expert_counts: bool = False,
+                expert_counts_total: torch.Tensor | None = None) -> Any:
     """y [T, H] bf16 of the layer `layer` (a :class:`MoE`, or a key from :func:`register_layer`).
     `path`: "pipeline" or "fused"; by default the module's own (a :class:`MoE`) or "pipeline" (a
     key). A path other than a module's own is refused: set ``MoE.path`` instead.
 
     Calls ``torch.ops.epmoe.moe_forward`` on torch's current stream. Collective: every rank
     calls it (with its own T, possibly 0). No host synchronization, so it can be captured in a
-    CUDA graph and traced by ``torch.compile``. int64 `topk_idx` is narrowed to int32 on the device
-    first (:func:`idx_to_int32`)."""
+    CUDA graph and traced by ``torch.compile``. `topk_idx` is int32 or int64 (torch.topk's), read
+    as it is. With `return_expert_counts` it returns (y, counts): counts [E_loc] int32, the rows
+    each local expert received in this call (``torch.ops.epmoe.moe_forward_counts``); with
+    `expert_counts_total` (int64 [E_loc], a registry key only: an MoE keeps its own) the counts
+    are also added to it."""
     if isinstance(layer, MoE):
         if path is not None and path != layer.path:
             raise InvalidArgument(
                 f"moe_forward: path={path!r} but the MoE module runs path={layer.path!r}; set "
                 "MoE.path, or pass its registry key instead of the module to choose per call")
-        return layer(x, topk_idx, topk_weights)
+        if expert_counts_total is not None:
+            raise InvalidArgument("moe_forward: an MoE keeps its own running sum of expert counts "
+                                  "(MoE(..., count_experts=True)); pass expert_counts_total with "
+                                  "a registry key")
+        return layer(x, topk_idx, topk_weights, return_expert_counts=return_expert_counts)
     if path is None:
         path = "pipeline"
+    if not return_expert_counts and expert_counts_total is None:
+        if _plain_eager(x):
+            return _bound(layer).forward(x, topk_idx, topk_weights, path)
+        return _OP(x, topk_idx, topk_weights, layer, path)
+    return _with_counts(layer, x, topk_idx, topk_weights, path, return_expert_counts,
+                        expert_counts_total)
+
+
+def _with_counts(key: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 path: str, want_counts: bool, total: torch.Tensor | None) -> Any:
+    """A call that returns its expert counts and/or adds them to `total`. Eagerly one C call does
+    both; traced, the counts operator and an add of its second output."""
+    b = _bound(key)
     if _plain_eager(x):
-        return _bound(layer).forward(x, topk_idx, topk_weights, path)
-    if topk_idx.dtype == _I64:
-        topk_idx = idx_to_int32(topk_idx, _bound(layer).num_experts)
-    return _OP(x, topk_idx, topk_weights, layer, path)
+        y, counts = b.forward_counts(x, topk_idx, topk_weights, path, want_counts, total)
+    else:
+        if total is not None:
+            b.check_total(total)
+        y, counts = _OP_COUNTS(x, topk_idx, topk_weights, key, path)
+        if total is not None:
+            total.add_(counts)
+    return (y, counts) if want_counts else y
 
 
 # ---- the module ----------------------------------------------------------------------------------
@@ -280,43 +352,85 @@ class MoE(torch.nn.Module):
     group). ``forward(x, topk_idx, topk_weights)`` calls ``torch.ops.epmoe.moe_forward``.
     Inference only: the operator has no backward.
 
-    The buffers are this rank's experts in the SPEC layout. :meth:`load_weights` copies into them
-    and hands them to the layer, which keeps its own copy in the kernels' layout (so the weights are
-    held twice until epmoe takes weights by reference); ``load_state_dict`` does the same.
+    The buffers ``w1`` ... ``w2_scale`` are this rank's experts in the SPEC layout (the
+    ``state_dict``). :meth:`load_weights` copies into them; ``load_state_dict`` too. Then:
+
+    - without `workspace`, the layer has its own buffers and its own copy of the weights in the
+      kernels' layout (the weights are held twice on the GPU);
+    - with ``workspace=ws`` (an :class:`epmoe.Workspace` shared by many modules; the module must
+      fit it), the layer runs on the workspace's buffers and reads the weights by reference:
+      ``w2`` and ``w2_scale`` as they are, and ``w13_kernel`` / ``w13_kernel_scale`` (two more
+      buffers, not in the state_dict) that :func:`epmoe.transform_w13` fills from ``w1`` at each
+      load. The GPU memory epmoe holds is the workspace's (:attr:`epmoe.Workspace.nbytes`). The
+      layer reads these buffers for as long as it lives: never replace them (``.to(dtype)``,
+      ``load_state_dict(assign=True)``); that raises.
+
+    ``count_experts=True`` keeps ``expert_counts_total`` (int64 [E_loc], a buffer outside the
+    state_dict): every call adds the rows each local expert received, on the device and without a
+    sync; :meth:`reset_expert_counts` zeroes it.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, topk: int,
                  max_tokens_per_rank: int, dtype: str = "fp8", *, group: Any = None,
                  activation_clamp: float | None = None, pow2_scales: bool = False,
                  combine_partials: str = "fp32", timeout_seconds: float = 10.0,
-                 path: str = "pipeline"):
+                 path: str = "pipeline", workspace: Workspace | None = None,
+                 count_experts: bool = False):
         super().__init__()
         if path not in _PATHS:
             raise InvalidArgument(f"path={path!r} must be one of 'pipeline', 'fused'")
-        self.layer = Layer(group, num_experts, hidden, intermediate, topk, max_tokens_per_rank,
-                           dtype, activation_clamp, pow2_scales=pow2_scales,
-                           combine_partials=combine_partials, timeout_seconds=timeout_seconds)
+        if not isinstance(count_experts, bool):
+            raise InvalidArgument(f"count_experts must be a bool, got {count_experts!r}")
+        options = dict(pow2_scales=pow2_scales, combine_partials=combine_partials,
+                       timeout_seconds=timeout_seconds)
+        wdtype = torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
+
+        def buffers(shapes: dict, device: torch.device, persistent: bool = True) -> None:
+            for name, shape in shapes.items():
+                self.register_buffer(name, None if shape is None else torch.empty(
+                    shape, device=device, dtype=torch.float32 if name.endswith("_scale") else wdtype),
+                    persistent=persistent)
+
+        self._ref_ptrs = None
+        if workspace is None:
+            self.layer = Layer(group, num_experts, hidden, intermediate, topk, max_tokens_per_rank,
+                               dtype, activation_clamp, **options)
+            buffers(self.layer.config.weight_shapes(), _buffer_device(self.layer.device))
+        else:
+            if not isinstance(workspace, Workspace):
+                raise InvalidArgument(f"workspace must be an epmoe.Workspace, got "
+                                      f"{type(workspace).__module__}.{type(workspace).__qualname__}")
+            # The buffers come first: the layer is created on them (by reference).
+            shapes = LayerConfig(workspace.config.num_ranks, num_experts, hidden, intermediate, topk,
+                                 max_tokens_per_rank, dtype, activation_clamp,
+                                 **options).validate().weight_shapes()
+            device = _buffer_device(workspace.device)
+            buffers(shapes, device)
+            buffers({"w13_kernel": shapes["w1"], "w13_kernel_scale": shapes["w1_scale"]}, device,
+                    persistent=False)
+            refs = {"w13": self.w13_kernel, "w13_scale": self.w13_kernel_scale, "w2": self.w2,
+                    "w2_scale": self.w2_scale}
+            self.layer = Layer(group, num_experts, hidden, intermediate, topk, max_tokens_per_rank,
+                               dtype, activation_clamp, workspace=workspace, weights=refs, **options)
+            self._ref_ptrs = self._buffer_ptrs()
+        self.workspace = workspace
         self.config = self.layer.config
         self.num_experts, self.path = num_experts, path
         self.weights_loaded = False
         self.layer_key = register_layer(self.layer)
         self._bound = _registry[self.layer_key]
         self._unregister = weakref.finalize(self, unregister_layer, self.layer_key)
-        device = _buffer_device(self.layer.device)
-        wdtype = torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
-        for name, shape in self.config.weight_shapes().items():
-            if shape is None:
-                self.register_buffer(name, None)
-            else:
-                self.register_buffer(name, torch.empty(shape, device=device, dtype=(
-                    torch.float32 if name.endswith("_scale") else wdtype)))
+        self.register_buffer("expert_counts_total", torch.zeros(
+            (self.config.experts_per_rank,), dtype=_I64, device=_buffer_device(self.layer.device))
+            if count_experts else None, persistent=False)
         self.register_load_state_dict_post_hook(lambda module, keys: module._push_weights())
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"E={c.num_experts}, H={c.hidden}, I={c.intermediate}, K={c.topk}, "
                 f"T_max={c.max_tokens_per_rank}, dtype={c.dtype!r}, path={self.path!r}, "
-                f"rank={self.layer.comm.rank}/{c.num_ranks}, key={self.layer_key}")
+                f"rank={self.layer.comm.rank}/{c.num_ranks}, key={self.layer_key}"
+                f"{', on a workspace' if self.workspace is not None else ''}")
 
     def load_weights(self, w1: torch.Tensor, w1_scale: torch.Tensor | None, w2: torch.Tensor,
                      w2_scale: torch.Tensor | None) -> None:
@@ -346,19 +460,58 @@ class MoE(torch.nn.Module):
         self._push_weights()
 
     def _push_weights(self) -> None:
-        self.layer.load_weights(self.w1, self.w1_scale, self.w2, self.w2_scale,
-                                stream=torch.cuda.current_stream(self.layer.device))
+        stream = torch.cuda.current_stream(self.layer.device)
+        if self._ref_ptrs is None:
+            self.layer.load_weights(self.w1, self.w1_scale, self.w2, self.w2_scale, stream=stream)
+        else:
+            # By reference: w2 is read where it is; W1 goes through the one-time transform into
+            # w13_kernel (on the stream, no sync). Idempotent: the source w1 is not touched.
+            self._check_refs()
+            transform_w13(self.w1, self.w1_scale, out=self.w13_kernel,
+                          out_scale=self.w13_kernel_scale, stream=stream)
         self.weights_loaded = True
 
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        """y [T, H] bf16; x [T, H] bf16, topk_idx [T, K] int32 or int64, topk_weights [T, K]
-        fp32, all on this rank's GPU. Collective (every rank calls it, T may differ)."""
-        if _plain_eager(x):
-            return self._bound.forward(x, topk_idx, topk_weights, self.path)
-        if topk_idx.dtype == _I64:
-            topk_idx = idx_to_int32(topk_idx, self.num_experts)
-        return _OP(x, topk_idx, topk_weights, self.layer_key, self.path)
+    def _buffer_ptrs(self) -> tuple:
+        return tuple(None if b is None else b.data_ptr() for b in
+                     (self.w13_kernel, self.w13_kernel_scale, self.w2, self.w2_scale))
+
+    def _check_refs(self) -> None:
+        if self._ref_ptrs is not None and self._buffer_ptrs() != self._ref_ptrs:
+            raise InvalidArgument("this epmoe MoE reads its weight buffers by reference (it runs on a "
+                                  "workspace) and they were replaced (.to(dtype), .half(), "
+                                  "load_state_dict(assign=True), ...); the layer would read the old "
+                                  "memory. Keep the buffers in place: copy into them instead")
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._check_refs()
+        return out
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+                return_expert_counts: bool = False) -> Any:
+        """y [T, H] bf16; x [T, H] bf16, topk_idx [T, K] int32 or int64 (read as it is),
+        topk_weights [T, K] fp32, all on this rank's GPU. Collective (every rank calls it, T may
+        differ). With `return_expert_counts`, (y, counts): counts [E_loc] int32, the rows each
+        local expert received in this call. With count_experts, the counts are added to
+        ``expert_counts_total``."""
+        if self._ref_ptrs is not None and not self.weights_loaded:
+            # Why here: a layer that references its weights has nothing to check in the library;
+            # it would read the buffers' uninitialized memory.
+            raise InvalidArgument("MoE.forward: the weights were never loaded (load_weights or "
+                                  "load_state_dict)")
+        total = self.expert_counts_total
+        if not return_expert_counts and total is None:
+            if _plain_eager(x):
+                return self._bound.forward(x, topk_idx, topk_weights, self.path)
+            return _OP(x, topk_idx, topk_weights, self.layer_key, self.path)
+        return _with_counts(self.layer_key, x, topk_idx, topk_weights, self.path,
+                            return_expert_counts, total)
+
+    def reset_expert_counts(self) -> None:
+        """Zeroes ``expert_counts_total`` (stream-ordered)."""
+        if self.expert_counts_total is None:
+            raise InvalidArgument("reset_expert_counts: this MoE does not count (count_experts=False)")
+        self.expert_counts_total.zero_()
 
     def check_device_error(self) -> None:
         """Synchronizes torch's current stream and raises an error the GPU recorded (e.g. an
@@ -366,7 +519,7 @@ class MoE(torch.nn.Module):
         self.layer.check_device_error(torch.cuda.current_stream(self.layer.device))
 
     def close(self) -> None:
-        """Unregisters the layer and frees its GPU buffers now (a CUDA graph that captured this
-        module must not be replayed after)."""
+        """Unregisters the layer and frees it now (on a workspace: drops its share, so that the
+        workspace can close). A CUDA graph that captured this module must not be replayed after."""
         self._unregister()
         self.layer.close()

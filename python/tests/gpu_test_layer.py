@@ -6,7 +6,8 @@ implementation of SPEC.md, on 2 (or more) GPUs of one node, with a CUDA-graph ca
 
 Needs torch with CUDA. Without torch or with fewer than 2 GPUs it prints SKIPPED and exits 0.
 The reference follows SPEC.md step by step on the CPU (steps 1 and 5 bit-exact, GEMMs in
-float64), so the tolerances are SPEC's own: 1e-2 (FP8) and 5e-3 (BF16).
+float64), so the tolerances are SPEC's own: 1e-2 (FP8) and 5e-3 (BF16). A last step runs two
+layers on one epmoe.Workspace (one by reference) against the same layers on their own buffers.
 Never hangs: an exception in any step makes that rank exit with status 1 at once (the others are
 stopped by the launcher), and a watchdog ends every rank with status 1 after --timeout seconds
 (default $EPMOE_TEST_TIMEOUT or 180), printing every thread's stack. JAX is confined to the
@@ -458,7 +459,7 @@ def check_errors(res, layer, cfg, rank, device, path):
     cases = [
         ("float32 x", dict(x=x.float()), "x must be bfloat16"),
         ("host x", dict(x=x.cpu()), "x must be on the CUDA device"),
-        ("int64 topk_idx", dict(idx=idx.long()), "topk_idx must be int32; got int64"),
+        ("int16 topk_idx", dict(idx=idx.short()), "topk_idx must be int32 or int64; got int16"),
         ("non-contiguous x", dict(x=torch.randn(h, 4, device=device).bfloat16().T),
          "x must be contiguous"),
         ("too many tokens", dict(x=torch.zeros(cfg["max_tokens_per_rank"] + 1, h, device=device,
@@ -518,6 +519,110 @@ def check_dispatcher(res, rank, world, device):
                f"rel_err={err:.2e} pool_rows={rows}")
 
 
+def histogram(idx, num_experts, lo, hi):
+    """Rows each expert in [lo, hi) receives from every rank's routing `idx` (a collective)."""
+    import torch
+    import torch.distributed as dist
+    valid = idx[idx >= 0].long()
+    hist = torch.bincount(valid, minlength=num_experts).to(DEVICE)
+    dist.all_reduce(hist)
+    return hist[lo:hi]
+
+
+def check_workspace(res, rank, world, device):
+    """Two layers of different shapes and dtypes on one epmoe.Workspace (A copies its weights, B
+    references them through epmoe.transform_w13), called in turn: each equals the same layer on its
+    own buffers bitwise and the reference within SPEC's bound; int64 routing equals int32; the
+    expert counts equal the routing's histogram; the workspace's size does not change, and it
+    refuses to close while a layer is open."""
+    import torch
+    import epmoe
+    cfg_a = dict(dtype="fp8", num_experts=4 * world, hidden=512, intermediate=256, topk=4,
+                 max_tokens_per_rank=96)
+    cfg_b = dict(dtype="bf16", num_experts=2 * world, hidden=384, intermediate=128, topk=2,
+                 max_tokens_per_rank=64, activation_clamp=0.5)
+    keys = ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "dtype")
+    wcfg = epmoe.WorkspaceConfig.for_layers(
+        [epmoe.LayerConfig(world, *(c[k] for k in keys)) for c in (cfg_a, cfg_b)])
+    ws = epmoe.Workspace(None, wcfg)
+    nbytes = ws.nbytes
+    res.record("workspace nbytes == WorkspaceConfig.sizes()", nbytes == wcfg.sizes()["total"],
+               f"{nbytes} bytes ({wcfg.dtype}, serves both layers)")
+
+    def weights(cfg, seed):
+        (w1, w1s, w2, w2s), (w1d, w2d) = make_weights(cfg, torch.Generator().manual_seed(seed),
+                                                      device)
+        e_loc = cfg["num_experts"] // world
+        sl = slice(rank * e_loc, (rank + 1) * e_loc)
+        part = tuple(None if w is None else w[sl].contiguous() for w in (w1, w1s, w2, w2s))
+        return part, (w1d, w2d), (sl.start, sl.stop)
+
+    def layer(cfg, **kw):
+        return epmoe.Layer(None, *(cfg[k] for k in keys[:5]), dtype=cfg["dtype"],
+                           activation_clamp=cfg.get("activation_clamp"), **kw)
+
+    (a1, a1s, a2, a2s), ref_a, range_a = weights(cfg_a, 1234)
+    (b1, b1s, b2, b2s), ref_b, range_b = weights(cfg_b, 4321)
+    la = layer(cfg_a, workspace=ws)
+    la.load_weights(a1, a1s, a2, a2s)
+    b13, b13s = epmoe.transform_w13(b1, b1s)  # bf16: no scale
+    lb = layer(cfg_b, workspace=ws, weights={"w13": b13, "w2": b2})
+    la_own, lb_own = layer(cfg_a), layer(cfg_b)
+    la_own.load_weights(a1, a1s, a2, a2s)
+    lb_own.load_weights(b1, b1s, b2, b2s)
+    res.record("two layers on the workspace: nbytes unchanged, num_layers == 2",
+               ws.nbytes == nbytes and ws.num_layers == 2,
+               f"nbytes {ws.nbytes} num_layers {ws.num_layers} by_reference {lb.by_reference}")
+    try:
+        ws.close()
+        refused = False
+    except epmoe.InvalidArgument as e:
+        refused = "still li" in str(e)
+    res.record("workspace close refused while its layers are open", refused and not ws.closed)
+
+    gen = torch.Generator().manual_seed(500 + rank)
+    total = torch.zeros(range_a[1] - range_a[0], dtype=torch.int64, device=device)
+    want_total = torch.zeros_like(total)
+    for call in range(3):
+        t_a = cfg_a["max_tokens_per_rank"] - 9 * rank - 4 * call
+        t_b = 0 if (rank == 0 and call == 1) else 40 - 5 * rank
+        xa, ia, wa = make_inputs(cfg_a, t_a, gen, device)
+        xb, ib, wb = make_inputs(cfg_b, t_b, gen, device)
+        counts = torch.full((range_a[1] - range_a[0],), -1, dtype=torch.int32, device=device)
+        ya = la(xa, ia, wa, expert_counts=counts, expert_counts_total=total)
+        yb = lb(xb, ib.long(), wb)
+        ya_own, yb_own = la_own(xa, ia, wa), lb_own(xb, ib, wb)
+        ya64 = la(xa, ia.long(), wa)
+        torch.cuda.synchronize()
+        la.check_device_error()
+        hist = histogram(ia, cfg_a["num_experts"], *range_a)
+        want_total += hist
+        err_a = rel_err(ya, reference(cfg_a, xa, ia, wa, *ref_a)) if t_a else 0.0
+        err_b = rel_err(yb, reference(cfg_b, xb, ib, wb, *ref_b)) if t_b else 0.0
+        res.record(f"workspace call {call}: A == A on its own buffers (bitwise), int64 == int32",
+                   torch.equal(ya.view(torch.int16), ya_own.view(torch.int16))
+                   and torch.equal(ya64.view(torch.int16), ya.view(torch.int16)))
+        res.record(f"workspace call {call}: B by reference, int64 == B copied, int32 (bitwise)",
+                   torch.equal(yb.view(torch.int16), yb_own.view(torch.int16)))
+        res.record(f"workspace call {call}: A, B vs reference (T={t_a}, {t_b})",
+                   err_a <= 1e-2 and err_b <= 5e-3, f"rel_err {err_a:.2e} (fp8), {err_b:.2e} (bf16)")
+        res.record(f"workspace call {call}: expert counts == the routing's histogram",
+                   torch.equal(counts.long(), hist), f"{counts.tolist()} vs {hist.tolist()}")
+    res.record("workspace: running expert counts == the sum of the histograms",
+               torch.equal(total, want_total), f"{total.tolist()} vs {want_total.tolist()}")
+    for l in (la, lb, la_own, lb_own):
+        l.close()
+    ws.close()
+    try:
+        layer(cfg_a, workspace=ws)
+        reused = "no exception"
+    except epmoe.InvalidArgument as e:
+        reused = str(e)
+    res.record("after its layers: workspace closed; a layer on it is refused",
+               ws.closed and "this Workspace was closed" in reused, f"-> {reused}")
+    agree(True)
+
+
 def abort(res, what):
     """After an exception the ranks may be out of step in their collectives, and a peer may
     already wait in one for ever: never go on. Exit non-zero at once; the launcher (torchrun,
@@ -569,6 +674,7 @@ def run(rank, world, local_rank, timeout):
     step("errors", lambda: check_errors(res, entries[-1]["layer"], configs[-1], rank, device,
                                         "pipeline"))
     step("dispatcher", lambda: check_dispatcher(res, rank, world, device))
+    step("workspace", lambda: check_workspace(res, rank, world, device))
     # JAX last: starting its GPU backend is the one thing here that touches the current device.
     gen = torch.Generator().manual_seed(300 + rank)
     for entry in entries:

@@ -10,8 +10,10 @@ the same call: int64 against int32 topk_idx, the operator through torch's dispat
 module's direct eager path, torch.compile(fullgraph=True) (also at a second T, and with T = 0 on
 one rank), compile mode="reduce-overhead" (inductor's CUDA graphs), and a captured CUDA graph
 replayed on new inputs (int32 and int64). Then a two-block stack with a torch router (linear,
-softmax, topk) eager vs compiled vs graph-replayed, compile-time and eager argument errors, and
-an out-of-range int64 index reported by the device. Prints SKIPPED and exits 0 without torch or
+softmax, topk) eager vs compiled vs graph-replayed; an FP8 and a BF16 MoE on one epmoe.Workspace
+(weights by reference) bitwise equal to the same modules on their own buffers, with their expert
+counts against the routing's histogram; compile-time and eager argument errors, and an
+out-of-range int64 index reported by the device. Prints SKIPPED and exits 0 without torch or
 with fewer GPUs than ranks. Never hangs (see gpu_test_layer.py: abort on any exception, watchdog).
 """
 
@@ -194,6 +196,88 @@ def check_stack(res, rank, world, device):
     base.agree(True)
 
 
+def check_workspace(res, configs, rank, world, device):
+    """An FP8 and a BF16 MoE on one epmoe.Workspace (weights by reference, counting experts),
+    against the same modules on their own buffers (build()): bitwise equal eager (int32 and int64),
+    compiled and replayed from a CUDA graph; the expert counts (returned, and the running sum
+    through the eager and the compiled path) equal the routing's histogram; the workspace's size
+    does not change and it refuses to close while a module is open."""
+    import torch
+    import epmoe
+    import epmoe.torch as et
+    keys = ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "dtype")
+    wcfg = epmoe.WorkspaceConfig.for_layers(
+        [epmoe.LayerConfig(world, *(c[k] for k in keys)) for c in configs])
+    ws = epmoe.Workspace(None, wcfg)
+    nbytes = ws.nbytes
+    gen = torch.Generator().manual_seed(700 + rank)
+    mods = []
+    for cfg in configs:
+        (w1, w1s, w2, w2s), _ = base.make_weights(cfg, torch.Generator().manual_seed(1234), device)
+        e_loc = cfg["num_experts"] // world
+        lo, hi = rank * e_loc, (rank + 1) * e_loc
+        sl = lambda w: None if w is None else w[lo:hi].contiguous()  # noqa: E731
+        moe = et.MoE(*(cfg[k] for k in keys), activation_clamp=cfg.get("activation_clamp"),
+                     workspace=ws, count_experts=True)
+        moe.load_weights(sl(w1), sl(w1s), sl(w2), sl(w2s))
+        own = build(cfg, rank, world, device)[0]
+        mods.append((cfg, moe, own, (lo, hi)))
+    res.record("workspace: MoE modules on it hold nothing more",
+               ws.nbytes == nbytes == wcfg.sizes()["total"] and ws.num_layers == len(configs),
+               f"nbytes {nbytes}, {ws.num_layers} layers")
+    try:
+        ws.close()
+        refused = False
+    except epmoe.InvalidArgument:
+        refused = True
+    res.record("workspace close refused while its modules are open", refused and not ws.closed)
+
+    for cfg, moe, own, (lo, hi) in mods:
+        tag = f"workspace MoE {cfg['dtype']}"
+        t = cfg["max_tokens_per_rank"] - 5 * rank
+        x, idx, wts = base.make_inputs(cfg, t, gen, device)
+        want = own(x, idx, wts)
+        hist = base.histogram(idx, cfg["num_experts"], lo, hi)
+        y, counts = moe(x, idx.long(), wts, return_expert_counts=True)
+        res.record(f"{tag} eager int64 == own buffers (bitwise)", bitwise(y, want))
+        res.record(f"{tag} eager int32 == own buffers (bitwise)", bitwise(moe(x, idx, wts), want))
+        res.record(f"{tag} returned expert counts == histogram", torch.equal(counts.long(), hist),
+                   f"{counts.tolist()} vs {hist.tolist()}")
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda a, b, c: moe(a, b, c), fullgraph=True)
+        res.record(f"{tag} compiled (int64) == own buffers (bitwise)",
+                   bitwise(compiled(x, idx.long(), wts), want))
+        # The running sum: the two eager calls above and the compiled one each added the counts.
+        torch.cuda.synchronize()
+        res.record(f"{tag} running expert counts (eager x2, compiled x1) == 3 x histogram",
+                   torch.equal(moe.expert_counts_total, 3 * hist),
+                   f"{moe.expert_counts_total.tolist()} vs 3 x {hist.tolist()}")
+        moe.reset_expert_counts()
+        sx, si, sw = x.clone(), idx.long(), wts.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            moe(sx, si, sw)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sy = moe(sx, si, sw)
+        nx, nidx, nw = base.make_inputs(cfg, t, gen, device)
+        sx.copy_(nx), si.copy_(nidx.long()), sw.copy_(nw)
+        graph.replay()
+        ok = bitwise(sy, own(nx, nidx, nw))
+        torch.cuda.synchronize()
+        del graph
+        res.record(f"{tag} CUDA graph replay == own buffers (bitwise)", ok)
+        moe.check_device_error()
+    for _, moe, own, _ in mods:
+        moe.close()
+        own.close()
+    ws.close()
+    res.record("workspace closed after its modules", ws.closed)
+    base.agree(True)
+
+
 def check_overhead(res, moe, cfg, rank, device):
     """Host time per eager call (informational: python/benchmarks/op_overhead.py measures it)."""
     import torch
@@ -245,6 +329,7 @@ def run(rank, world, local_rank, timeout):
     moes = [step(f"moe {c['dtype']}", lambda c=c: check_moe(res, c, rank, world, device))
             for c in configs]
     step("stack", lambda: check_stack(res, rank, world, device))
+    step("workspace", lambda: check_workspace(res, configs, rank, world, device))
     step("overhead", lambda: check_overhead(res, moes[0], configs[0], rank, device))
     step("device error", lambda: check_device_error(res, moes[-1], configs[-1], rank, device))
 

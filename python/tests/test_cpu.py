@@ -251,8 +251,9 @@ def test_forward_reaches_the_library(layer, fake):
     y = layer(**a, path="pipeline", stream=5)
     assert y is a["out"]
     (name, c_args), = layer.calls
-    assert name == "epmoe_layer_forward"
-    assert c_args == (0x1234, 0x10000, 0x20000, 0x30000, 0x40000, 4, 5, _lib.PATH_PIPELINE)
+    assert name == "epmoe_layer_forward_ex"
+    assert c_args == (0x1234, 0x10000, 0x20000, _lib.INDEX_INT32, 0x30000, 0x40000, 4, None, None, 5,
+                      _lib.PATH_PIPELINE)
     assert a["x"].streams == [5]  # the producer was told which stream epmoe runs on
 
 
@@ -261,19 +262,19 @@ def test_forward_path_default_and_fused(layer, fake):
     # library as its own code.
     layer(**args(fake), stream=5)
     layer(**args(fake), path="fused", stream=5)
-    assert [c[1][7] for c in layer.calls] == [_lib.PATH_PIPELINE, _lib.PATH_FUSED]
+    assert [c[1][10] for c in layer.calls] == [_lib.PATH_PIPELINE, _lib.PATH_FUSED]
     assert _lib.PATH_PIPELINE != _lib.PATH_FUSED
 
 
 def test_forward_legacy_stream_is_dlpack_1(layer, fake):
     a = args(fake)
     layer(**a, stream=0)
-    assert a["x"].streams == [1] and layer.calls[0][1][6] == 0
+    assert a["x"].streams == [1] and layer.calls[0][1][9] == 0
 
 
 def test_forward_zero_tokens(layer, fake):
     layer(**args(fake, t=0, x=fake((0, 256), "bfloat16", CUDA, ptr=0)))
-    assert layer.calls[0][1][5] == 0
+    assert layer.calls[0][1][6] == 0
 
 
 @pytest.mark.parametrize("over,message", [
@@ -283,7 +284,7 @@ def test_forward_zero_tokens(layer, fake):
     (dict(x=("fake", (4, 128), "bfloat16")), "x must have shape (?, 256) = (T, hidden); got (4, 128)"),
     (dict(x=("fake", (4, 256, 1), "bfloat16")), "x must have shape (?, 256) = (T, hidden); got (4, 256, 1)"),
     (dict(x=("fake", (65, 256), "bfloat16")), "x has T=65 tokens but the layer was created with max_tokens_per_rank=64"),
-    (dict(topk_idx=("fake", (4, 2), "int64")), "topk_idx must be int32; got int64"),
+    (dict(topk_idx=("fake", (4, 2), "int16")), "topk_idx must be int32 or int64; got int16"),
     (dict(topk_idx=("fake", (3, 2), "int32")), "topk_idx must have shape (4, 2) = (T, topk); got (3, 2)"),
     (dict(topk_weights=("fake", (4, 2), "bfloat16")), "topk_weights must be float32; got bfloat16"),
     (dict(out=("fake", (4, 256), "float32")), "out must be bfloat16"),
@@ -479,9 +480,9 @@ def test_strict_routing_reaches_the_c_struct():
     assert epmoe.LayerConfig(**GOOD).to_c().strict_routing == 0
     c = epmoe.LayerConfig(**GOOD, strict_routing=True).validate().to_c()
     assert c.strict_routing == 1
-    # The struct's size is the C ABI's (EPMOE_C_API_VERSION 3): a mismatch would shift every field.
+    # The struct's size is the C ABI's (EPMOE_C_API_VERSION 4): a mismatch would shift every field.
     assert ctypes.sizeof(_lib.LayerConfigC) == 56
-    assert _lib.C_API_VERSION == 3
+    assert _lib.C_API_VERSION == 4
 
 
 def test_strict_routing_must_be_a_bool():
@@ -496,3 +497,16 @@ def test_library_rejects_nonzero_reserved_field():
     with pytest.raises(epmoe.InvalidArgument) as e:
         _lib.call("epmoe_validate_config", ctypes.byref(c))
     assert "reserved=1 must be 0" in str(e.value)
+
+
+def test_workspace_config_checks_and_sizes():
+    from epmoe import WorkspaceConfig
+    from epmoe._errors import InvalidArgument
+    w = WorkspaceConfig(max_experts_per_rank=64, max_hidden=7168, max_intermediate=2048, max_topk=8,
+                        max_tokens_per_rank=1024, num_ranks=4)
+    w.validate()
+    z = w.sizes()
+    assert z["total"] == z["symmetric"] + z["local"] + z["pool"] > 0
+    with pytest.raises(InvalidArgument, match="max_hidden"):
+        WorkspaceConfig(max_experts_per_rank=64, max_hidden=100, max_intermediate=2048, max_topk=8,
+                        max_tokens_per_rank=1024, num_ranks=4).validate()

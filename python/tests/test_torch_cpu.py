@@ -62,6 +62,23 @@ def test_schema():
                       "int layer, str path=\"pipeline\") -> Tensor")
 
 
+def test_counts_schema():
+    schema = str(torch.ops.epmoe.moe_forward_counts.default._schema)
+    assert schema == ("epmoe::moe_forward_counts(Tensor x, Tensor topk_idx, Tensor topk_weights, "
+                      "int layer, str path=\"pipeline\") -> (Tensor, Tensor)")
+
+
+def test_counts_fake_impl(bound):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x, idx, w = inputs(t=5)
+        y, counts = torch.ops.epmoe.moe_forward_counts(x, idx.long(), w, bound.key)
+        assert (tuple(y.shape), y.dtype) == ((5, 256), torch.bfloat16)
+        assert (tuple(counts.shape), counts.dtype) == ((4,), torch.int32)  # E_loc = 8 / 2
+        with pytest.raises(epmoe.InvalidArgument, match="no layer is registered under key 999999"):
+            torch.ops.epmoe.moe_forward_counts(x, idx, w, 999999)
+
+
 def test_fake_impl_shapes_and_errors(bound):
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -90,48 +107,71 @@ def test_no_cpu_kernel():
 
 # ---- the eager implementation (the fast path) ----------------------------------------------------
 
+# The C call is epmoe_layer_forward_ex: (layer, x, topk_idx, idx_type, topk_weights, y, T,
+# expert_counts, expert_counts_total, stream, path).
+
 def test_forward_reaches_the_library(bound):
     x, idx, w = inputs(t=4)
     y = et._moe_forward_cuda(x, idx, w, bound.key)
     (call,) = bound.calls
-    assert call[:4] == (0x1234, x.data_ptr(), idx.data_ptr(), w.data_ptr())
-    assert call[4] == y.data_ptr() and call[5:] == (4, 777, _lib.PATH_PIPELINE)
+    assert call[:5] == (0x1234, x.data_ptr(), idx.data_ptr(), _lib.INDEX_INT32, w.data_ptr())
+    assert call[5] == y.data_ptr() and call[6:] == (4, None, None, 777, _lib.PATH_PIPELINE)
     assert (tuple(y.shape), y.dtype) == ((4, 256), torch.bfloat16)
     et._moe_forward_cuda(x, idx, w, bound.key, "fused")
-    assert bound.calls[-1][7] == _lib.PATH_FUSED
+    assert bound.calls[-1][10] == _lib.PATH_FUSED
 
 
 def test_forward_zero_tokens(bound):
     x, idx, w = inputs(t=0)
     y = et._moe_forward_cuda(x, idx, w, bound.key)
-    assert tuple(y.shape) == (0, 256) and bound.calls[0][5] == 0
+    assert tuple(y.shape) == (0, 256) and bound.calls[0][6] == 0
 
 
-def test_int64_indices_are_narrowed_on_the_device(bound):
+def test_int64_indices_reach_the_library_as_they_are(bound):
+    # No conversion copy: the kernels read the caller's int64 tensor (an index beyond int32 is
+    # reported by the device, never wrapped: tests/e2e and gpu_test_torch.py check that).
     x, idx, w = inputs(t=3)
     wide = torch.tensor([[-1, 7], [0, 8], [-5, 2**40]], dtype=torch.int64)
-    seen = {}
-    bound.b.c_forward = lambda h, xp, ip, wp, yp, t, s, p: seen.update(ptr=ip) or 0
     et._moe_forward_cuda(x, wide, w, bound.key)
-    narrow = et.idx_to_int32(wide, 8)
-    # -1 and in-range values are kept; out-of-range ones stay out of range (the device reports them)
-    assert narrow.dtype == torch.int32
-    assert narrow.tolist() == [[-1, 7], [0, 8], [-2, 8]]
-    assert seen["ptr"] not in (0, wide.data_ptr())  # the kernels read a new int32 tensor
-
-
-def test_int64_and_int32_reach_the_library_with_the_same_values(bound):
-    x, idx, w = inputs(t=6)
-    got = []
-
-    def record(h, xp, ip, wp, yp, t, s, p):
-        got.append(list((ctypes.c_int32 * (t * 2)).from_address(ip)))
-        return 0
-
-    bound.b.c_forward = record
+    call = bound.calls[-1]
+    assert call[2:4] == (wide.data_ptr(), _lib.INDEX_INT64)
     et._moe_forward_cuda(x, idx, w, bound.key)
-    et._moe_forward_cuda(x, idx.long(), w, bound.key)
-    assert got[0] == got[1] == idx.flatten().tolist()
+    assert bound.calls[-1][2:4] == (idx.data_ptr(), _lib.INDEX_INT32)
+
+
+def test_expert_counts_reach_the_library(bound):
+    x, idx, w = inputs(t=4)
+    y, counts = et.moe_forward(x, idx, w, bound.key, return_expert_counts=True)
+    call = bound.calls[-1]
+    assert (tuple(counts.shape), counts.dtype) == ((4,), torch.int32)
+    assert call[5:9] == (y.data_ptr(), 4, counts.data_ptr(), None)
+    total = torch.zeros(4, dtype=torch.int64)
+    y = et.moe_forward(x, idx, w, bound.key, expert_counts_total=total)
+    assert isinstance(y, torch.Tensor) and bound.calls[-1][7:9] == (None, total.data_ptr())
+    y, counts = et.moe_forward(x, idx, w, bound.key, return_expert_counts=True,
+                               expert_counts_total=total)
+    assert bound.calls[-1][7:9] == (counts.data_ptr(), total.data_ptr())
+
+
+@pytest.mark.parametrize("total,message", [
+    (torch.zeros(4, dtype=torch.int32), "expert_counts_total must be a contiguous int64 tensor of shape (4,) = (E_loc,); got int32 (4,)"),
+    (torch.zeros(8, dtype=torch.int64), "got int64 (8,)"),
+    (torch.zeros(4, 2, dtype=torch.int64)[:, 0], "not contiguous"),
+    ([0, 0, 0, 0], "expert_counts_total must be a torch.Tensor, got list"),
+])
+def test_expert_counts_total_errors(bound, total, message):
+    with pytest.raises(epmoe.InvalidArgument) as e:
+        et.moe_forward(*inputs(), bound.key, expert_counts_total=total)
+    assert message in str(e.value), str(e.value)
+    assert not bound.calls
+
+
+def test_expert_counts_total_on_another_device(bound):
+    bound.b.device_index = 0  # the layer on cuda:0, the total on the CPU
+    with pytest.raises(epmoe.InvalidArgument,
+                       match="expert_counts_total is on cpu but this epmoe layer lives on cuda:0"):
+        et.moe_forward(*inputs(), bound.key, expert_counts_total=torch.zeros(4, dtype=torch.int64))
+    assert not bound.calls
 
 
 @pytest.mark.parametrize("change,message", [
@@ -231,8 +271,11 @@ def test_compile_router_and_op_in_one_graph(bound):
     x = torch.randn(5, 256).bfloat16()
     graphs, out = compile_graphs(block, x, torch.randn(256, 8))
     (gm,) = graphs
-    assert len(op_calls(gm)) == 1
-    assert any("clamp" in str(n.target) for n in gm.graph.nodes)  # int64 -> int32 in the graph
+    (op,) = op_calls(gm)
+    # torch.topk's int64 indices reach the operator as they are: no conversion in the graph.
+    assert op.args[1].meta["example_value"].dtype == torch.int64
+    assert not any(n.op == "call_method" and n.target in ("to", "int") or "clamp" in str(n.target)
+                   for n in gm.graph.nodes)
     assert out.shape == (5, 256) and out.dtype == torch.bfloat16
     assert not bound.calls  # traced, never run
 
@@ -310,7 +353,8 @@ def test_moe_eager_calls_the_kernel_directly(moe):
     moe._bound.raw_stream = lambda device: 5
     x, idx, w = inputs(t=3, idx_dtype=torch.int64)
     y = moe(x, idx, w)
-    assert len(calls) == 1 and calls[0][5:] == (3, 5, _lib.PATH_PIPELINE) and y.shape == (3, 256)
+    assert len(calls) == 1 and calls[0][6:] == (3, None, None, 5, _lib.PATH_PIPELINE)
+    assert calls[0][2:4] == (idx.data_ptr(), _lib.INDEX_INT64) and y.shape == (3, 256)
     # Under a mode (here torch.device's function mode) the call goes through the operator, which
     # has no CPU kernel: the dispatcher's error shows which way it went.
     with torch.device("cpu"), pytest.raises(NotImplementedError):
@@ -331,6 +375,11 @@ def test_moe_closes_and_unregisters(moe, monkeypatch):
     assert closed == [moe.layer]
     with pytest.raises(epmoe.InvalidArgument, match="no layer is registered"):
         et.registered_layer(key)
+
+
+def test_moe_forward_with_a_module_and_a_total_is_refused(moe):
+    with pytest.raises(epmoe.InvalidArgument, match="an MoE keeps its own running sum"):
+        et.moe_forward(*inputs(), moe, expert_counts_total=torch.zeros(4, dtype=torch.int64))
 
 
 def test_moe_path_argument(moe):
@@ -370,13 +419,19 @@ def test_overhead_benchmark_cpu_mode():
 @pytest.fixture
 def cpu_kernel(bound):
     """Registers the operator's kernel for CPU tensors, with a C stand-in that writes y = x."""
-    def copy_x(h, xp, ip, wp, yp, t, s, p):
+    def copy_x(h, xp, ip, it, wp, yp, t, counts, total, s, p):
         ctypes.memmove(yp, xp, t * 256 * 2)
+        if counts:  # a recognizable stand-in for the counts: 10 + local expert
+            (ctypes.c_int32 * 4).from_address(counts)[:] = [10, 11, 12, 13]
+        if total:
+            arr = (ctypes.c_int64 * 4).from_address(total)
+            arr[:] = [v + 10 + e for e, v in enumerate(arr)]
         return 0
 
     bound.b.c_forward = copy_x
     impl = torch.library.Library("epmoe", "IMPL")
     impl.impl("moe_forward", et._moe_forward_cuda, "CPU")
+    impl.impl("moe_forward_counts", et._moe_forward_counts_cuda, "CPU")
     yield bound
     impl._destroy()
 
@@ -384,8 +439,32 @@ def cpu_kernel(bound):
 def test_opcheck(cpu_kernel):
     # torch's own checks of a custom operator: schema, autograd registration, fake vs real, AOT.
     x, idx, w = inputs(t=4)
-    result = torch.library.opcheck(torch.ops.epmoe.moe_forward.default, (x, idx, w, cpu_kernel.key))
-    assert set(result.values()) == {"SUCCESS"}, result
+    for op, i in ((torch.ops.epmoe.moe_forward.default, idx),
+                  (torch.ops.epmoe.moe_forward_counts.default, idx.long())):
+        result = torch.library.opcheck(op, (x, i, w, cpu_kernel.key))
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
+
+
+def test_counts_eager_and_compiled_agree(cpu_kernel):
+    # Eagerly one C call writes the counts and adds them to the total; compiled, the counts
+    # operator's output is added by torch. Both leave the same running sum.
+    router = torch.randn(256, 8)
+
+    def block(h, total):
+        w, i = (h.float() @ router).softmax(-1).topk(2, dim=-1)
+        y, counts = et.moe_forward(h, i, w, cpu_kernel.key, return_expert_counts=True,
+                                   expert_counts_total=total)
+        return h + y, counts
+
+    x = torch.randn(16, 256).bfloat16()
+    total = torch.zeros(4, dtype=torch.int64)
+    y, counts = block(x, total)
+    assert torch.equal(y, 2 * x) and counts.tolist() == [10, 11, 12, 13]
+    assert total.tolist() == [10, 11, 12, 13]
+    torch._dynamo.reset()
+    y, counts = torch.compile(block, fullgraph=True)(x, total)
+    assert torch.equal(y, 2 * x) and counts.tolist() == [10, 11, 12, 13]
+    assert total.tolist() == [20, 22, 24, 26]
 
 
 def test_inductor_runs_the_operator(cpu_kernel):
@@ -402,3 +481,123 @@ def test_inductor_runs_the_operator(cpu_kernel):
     assert torch.equal(torch.compile(block, fullgraph=True)(x), 2 * x)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(block, fullgraph=True, dynamic=True)(x[:5]), 2 * x[:5])
+
+
+# ---- the module on a workspace (no GPU: fake layer, buffers on the CPU) --------------------------
+
+@pytest.fixture
+def moe_ws(monkeypatch):
+    """An MoE on a stand-in workspace: Layer.__init__ records its arguments, transform_w13 its
+    calls; the buffers are real CPU tensors (so that replacing one is seen)."""
+    made, transforms = [], []
+
+    def init(self, group, e, h, i, k, t, dtype="fp8", clamp=None, **kw):
+        self.__dict__.update(fake_layer(dtype=dtype).__dict__, comm=SimpleNamespace(rank=0))
+        made.append(kw)
+
+    monkeypatch.setattr(Layer, "__init__", init)
+    monkeypatch.setattr(Layer, "load_weights", lambda self, *a, **kw: pytest.fail("copied weights"))
+    monkeypatch.setattr(et, "_buffer_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(et, "transform_w13", lambda *a, **kw: transforms.append((a, kw)))
+    monkeypatch.setattr(et.torch.cuda, "current_stream", lambda device=None: 0)
+    ws = object.__new__(epmoe.Workspace)
+    ws.config = epmoe.WorkspaceConfig(4, 256, 128, 2, 64, num_ranks=2)
+    ws.device, ws._handle = -1, 0xABC
+    m = et.MoE(8, 256, 128, 2, 64, "fp8", workspace=ws, count_experts=True)
+    m.made, m.transforms, m.ws = made, transforms, ws
+    yield m
+    m._unregister()
+
+
+def test_moe_on_a_workspace_references_its_buffers(moe_ws):
+    (kw,) = moe_ws.made
+    assert kw["workspace"] is moe_ws.ws and moe_ws.workspace is moe_ws.ws
+    refs = kw["weights"]
+    assert refs["w13"] is moe_ws.w13_kernel and refs["w13_scale"] is moe_ws.w13_kernel_scale
+    assert refs["w2"] is moe_ws.w2 and refs["w2_scale"] is moe_ws.w2_scale
+    assert moe_ws.w13_kernel.shape == moe_ws.w1.shape and moe_ws.w13_kernel.dtype == torch.float8_e4m3fn
+    # The state_dict keeps the SPEC layout only; the kernels' copy of W1 and the counts are not in it.
+    assert set(moe_ws.state_dict()) == {"w1", "w1_scale", "w2", "w2_scale"}
+    assert "on a workspace" in repr(moe_ws)
+
+
+def test_moe_on_a_workspace_transforms_w1_at_each_load(moe_ws):
+    w1, w1s = torch.zeros(4, 256, 256, dtype=torch.uint8), torch.ones(4, 2, 2)
+    w2, w2s = torch.zeros(4, 256, 128, dtype=torch.float8_e4m3fn), torch.ones(4, 2, 1)
+    moe_ws.load_weights(w1, w1s, w2, w2s)
+    ((args, kw),) = moe_ws.transforms
+    assert args[0] is moe_ws.w1 and args[1] is moe_ws.w1_scale
+    assert kw["out"] is moe_ws.w13_kernel and kw["out_scale"] is moe_ws.w13_kernel_scale
+    assert torch.equal(moe_ws.w1_scale, w1s) and moe_ws.weights_loaded
+    moe_ws.load_state_dict(moe_ws.state_dict())
+    assert len(moe_ws.transforms) == 2
+
+
+def test_moe_on_a_workspace_refuses_replaced_buffers(moe_ws):
+    moe_ws.to("cpu")  # nothing moves: fine
+    with pytest.raises(epmoe.InvalidArgument, match="reads its weight buffers by reference"):
+        moe_ws.half()  # the fp32 scales become new fp16 tensors
+
+
+def test_moe_on_a_workspace_needs_its_weights(moe_ws):
+    moe_ws._bound.c_forward = lambda *a: pytest.fail("called the library")
+    with pytest.raises(epmoe.InvalidArgument, match="the weights were never loaded"):
+        moe_ws(*inputs(t=3))
+
+
+def test_moe_expert_counts_total(moe_ws):
+    moe_ws.weights_loaded = True
+    calls = []
+    moe_ws._bound.c_forward = lambda *a: calls.append(a) or 0
+    moe_ws._bound.raw_stream = lambda device: 5
+    total = moe_ws.expert_counts_total
+    assert (tuple(total.shape), total.dtype) == ((4,), torch.int64) and not total.any()
+    y = moe_ws(*inputs(t=3))
+    assert y.shape == (3, 256) and calls[-1][7:9] == (None, total.data_ptr())
+    y, counts = moe_ws(*inputs(t=3), return_expert_counts=True)
+    assert calls[-1][7:9] == (counts.data_ptr(), total.data_ptr())
+    total.fill_(5)
+    moe_ws.reset_expert_counts()
+    assert not total.any()
+
+
+def test_moe_counting_eager_and_compiled(moe_ws):
+    # The module's running sum through both paths, with CPU kernels for both operators standing in
+    # for the CUDA ones (counts 10 + local expert, added on by the C stand-in or by torch).
+    def c_call(h, xp, ip, it, wp, yp, t, counts, total, s, p):
+        ctypes.memmove(yp, xp, t * 256 * 2)
+        if counts:
+            (ctypes.c_int32 * 4).from_address(counts)[:] = [10, 11, 12, 13]
+        if total:
+            arr = (ctypes.c_int64 * 4).from_address(total)
+            arr[:] = [v + 10 + e for e, v in enumerate(arr)]
+        return 0
+
+    moe_ws.weights_loaded = True
+    moe_ws._bound.c_forward = c_call
+    moe_ws._bound.raw_stream = lambda device: 0
+    impl = torch.library.Library("epmoe", "IMPL")
+    impl.impl("moe_forward_counts", et._moe_forward_counts_cuda, "CPU")
+    try:
+        x, idx, w = inputs(t=3, idx_dtype=torch.int64)
+        assert torch.equal(moe_ws(x, idx, w), x)
+        torch._dynamo.reset()
+        y, counts = torch.compile(lambda a, b, c: moe_ws(a, b, c, return_expert_counts=True),
+                                  fullgraph=True)(x, idx, w)
+        assert torch.equal(y, x) and counts.tolist() == [10, 11, 12, 13]
+        assert moe_ws.expert_counts_total.tolist() == [20, 22, 24, 26]
+    finally:
+        impl._destroy()
+
+
+def test_moe_without_counting(moe):
+    assert moe.expert_counts_total is None
+    with pytest.raises(epmoe.InvalidArgument, match="does not count"):
+        moe.reset_expert_counts()
+
+
+def test_moe_workspace_argument(moe):
+    with pytest.raises(epmoe.InvalidArgument, match="workspace must be an epmoe.Workspace"):
+        et.MoE(8, 256, 128, 2, 64, "fp8", workspace="ws")
+    with pytest.raises(epmoe.InvalidArgument, match="count_experts must be a bool"):
+        et.MoE(8, 256, 128, 2, 64, "fp8", count_experts=1)

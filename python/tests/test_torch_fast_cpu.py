@@ -34,7 +34,7 @@ def calls(monkeypatch):
         seen.append(args)
         return 0
 
-    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward=forward))
+    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward_ex=forward))
     monkeypatch.setattr(_torch_fast, "_raw_stream", lambda dev: STREAM)
     monkeypatch.setattr(_torch_fast.forward, "__defaults__", (lambda dev: STREAM,))
     # The DLPack path asks torch for its current stream (no CUDA here).
@@ -54,27 +54,44 @@ def test_hot_path_passes_the_tensors_pointers(calls):
     x, idx, w = inputs()
     y = torch.empty(5, GOOD["hidden"], dtype=torch.bfloat16)
     assert layer(x, idx, w, out=y, path="fused") is y
-    assert calls == [(0x1234, x.data_ptr(), idx.data_ptr(), w.data_ptr(), y.data_ptr(), 5, STREAM,
-                      _lib.PATH_FUSED)]
+    assert calls == [(0x1234, x.data_ptr(), idx.data_ptr(), _lib.INDEX_INT32, w.data_ptr(),
+                      y.data_ptr(), 5, None, None, STREAM, _lib.PATH_FUSED)]
+
+
+def test_hot_path_passes_int64_indices_as_they_are(calls):
+    x, idx, w = inputs()
+    idx = idx.long()
+    y = fake_layer()(x, idx, w)
+    assert calls == [(0x1234, x.data_ptr(), idx.data_ptr(), _lib.INDEX_INT64, w.data_ptr(),
+                      y.data_ptr(), 5, None, None, STREAM, _lib.PATH_PIPELINE)]
+
+
+def test_expert_counts_take_the_dlpack_path(calls):
+    """The hot path passes no counts: a call that asks for them must not take it."""
+    x, idx, w = inputs()
+    counts = torch.zeros(GOOD["num_experts"] // GOOD["num_ranks"], dtype=torch.int32)
+    with pytest.raises(epmoe.InvalidArgument, match="CUDA"):
+        fake_layer()(x, idx, w, expert_counts=counts)
+    assert calls == []
 
 
 def test_hot_path_allocates_out(calls):
     x, idx, w = inputs(3)
     y = fake_layer()(x, idx, w)
     assert y.shape == (3, GOOD["hidden"]) and y.dtype == torch.bfloat16
-    assert calls[0][4] == y.data_ptr() and calls[0][7] == _lib.PATH_PIPELINE
+    assert calls[0][5] == y.data_ptr() and calls[0][10] == _lib.PATH_PIPELINE
 
 
 def test_hot_path_zero_tokens_passes_null_pointers(calls):
     x, idx, w = inputs(0)
     fake_layer()(x, idx, w)
     (args,) = calls
-    assert args[5] == 0
-    assert all(p is None or p == 0 or isinstance(p, int) for p in args[1:5])
+    assert args[6] == 0
+    assert all(p is None or isinstance(p, int) for p in (args[1], args[2], args[4], args[5]))
 
 
 def test_library_status_raises(monkeypatch):
-    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward=lambda *a: 3))
+    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward_ex=lambda *a: 3))
     monkeypatch.setattr(_torch_fast.forward, "__defaults__", (lambda dev: STREAM,))
     raised = []
     monkeypatch.setattr(_lib, "check", lambda status: raised.append(status))
@@ -93,8 +110,10 @@ def _bad(case):
     elif case == "too many tokens":
         x, idx, w = inputs(65)
         y = torch.empty(65, GOOD["hidden"], dtype=torch.bfloat16)
-    elif case == "idx int64":
-        idx = idx.long()
+    elif case == "idx int16":
+        idx = idx.short()
+    elif case == "idx int64 not contiguous":
+        idx = torch.zeros(GOOD["topk"], 5, dtype=torch.int64).t()
     elif case == "idx shape":
         idx = idx[:, :1].contiguous()
     elif case == "weights dtype":
@@ -112,7 +131,8 @@ def _bad(case):
     return x, idx, w, y
 
 
-CASES = ["x dtype", "x shape", "too many tokens", "idx int64", "idx shape", "weights dtype",
+CASES = ["x dtype", "x shape", "too many tokens", "idx int16", "idx int64 not contiguous", "idx shape",
+         "weights dtype",
          "x not contiguous", "x misaligned", "out aliases x", "out dtype", "not a tensor"]
 
 
@@ -123,7 +143,8 @@ def test_hot_path_not_taken_on_bad_arguments(case, calls):
     x, idx, w, y = _bad(case)
     taken, result, status = _torch_fast.forward(
         lambda *a: calls.append(a), 0x1234, -1, GOOD["hidden"], GOOD["topk"],
-        GOOD["max_tokens_per_rank"], x, idx, w, y, _lib.PATH_PIPELINE, lambda dev: STREAM)
+        GOOD["max_tokens_per_rank"], x, idx, w, y, _lib.PATH_PIPELINE, _lib.INDEX_INT32,
+        _lib.INDEX_INT64, lambda dev: STREAM)
     assert (taken, result, status) == (False, None, 0)
     with pytest.raises(epmoe.InvalidArgument):
         fake_layer()(x, idx, w, out=y)

@@ -15,8 +15,10 @@
 #include "epmoe/config.h"
 #include "epmoe/dispatch.h"
 #include "epmoe/layer.h"
+#include "epmoe/workspace.h"
 #include "epmoe/status.h"
 #include "epmoe/version.h"
+#include "host/c_api_handles.h"
 #include "host/check.h"
 
 // The Python package mirrors the struct field by field (python/epmoe/_lib.py checks this size).
@@ -29,24 +31,6 @@ static_assert(EPMOE_DTYPE_FP8 == int(epmoe::DType::kFP8) && EPMOE_DTYPE_BF16 == 
               "C dtype codes must equal epmoe::DType");
 static_assert(EPMOE_PATH_PIPELINE == int(epmoe::Path::kPipeline) && EPMOE_PATH_FUSED == int(epmoe::Path::kFused),
               "C path codes must equal epmoe::Path");
-
-struct epmoe_comm {
-  epmoe::Communicator* comm = nullptr;  // owned; the NCCL comm inside may be borrowed (wrap)
-  int rank = 0;
-  int size = 0;
-  int device = 0;
-};
-
-struct epmoe_dispatch {
-  epmoe::DispatchHandle* handle = nullptr;  // owned
-  epmoe_comm* comm = nullptr;               // borrowed; epmoe_comm_destroy refuses while the handle lives
-};
-
-struct epmoe_layer {
-  epmoe::MoELayer* layer = nullptr;  // owned
-  epmoe_comm* comm = nullptr;        // borrowed; epmoe_comm_destroy refuses while the layer lives
-  epmoe::LayerConfig cfg;
-};
 
 namespace {
 
@@ -174,6 +158,21 @@ Status to_dispatch_config(const epmoe_dispatch_config* c, epmoe::DispatchConfig*
   return Status::Ok();
 }
 
+// The device that holds `p` (device or managed memory CUDA knows), for messages naming `name`.
+Status device_of(const void* p, const char* name, int* device) {
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return invalid(name, "=", p, " is not memory CUDA knows (", cudaGetErrorName(e), ")");
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    return invalid(name, "=", p, " must be device memory (it is ",
+                   attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory", ")");
+  *device = attr.device;
+  return Status::Ok();
+}
+
 Status check_dispatch(const epmoe_dispatch* h) {
   if (!h || !h->handle) return invalid("dispatch handle is null (destroyed or never created)");
   return Status::Ok();
@@ -216,6 +215,98 @@ int epmoe_nccl_runtime_version(int* version_code) {
 }
 
 // ---- validation ---------------------------------------------------------------------------------
+
+Status to_ws_config(const epmoe_workspace_config* c, epmoe::WorkspaceConfig* out) {
+  if (!c) return invalid("workspace config is null");
+  if (c->dtype != EPMOE_DTYPE_FP8 && c->dtype != EPMOE_DTYPE_BF16)
+    return invalid("WorkspaceConfig.dtype=", c->dtype, " must be EPMOE_DTYPE_FP8 (0) or EPMOE_DTYPE_BF16 (1)");
+  if (c->reserved != 0) return invalid("WorkspaceConfig.reserved=", c->reserved, " must be 0");
+  out->num_ranks = c->num_ranks;
+  out->max_experts_per_rank = c->max_experts_per_rank;
+  out->max_hidden = c->max_hidden;
+  out->max_intermediate = c->max_intermediate;
+  out->max_topk = c->max_topk;
+  out->max_tokens_per_rank = c->max_tokens_per_rank;
+  out->dtype = static_cast<epmoe::DType>(c->dtype);
+  out->timeout_seconds = c->timeout_seconds == 0 ? epmoe::WorkspaceConfig{}.timeout_seconds : c->timeout_seconds;
+  return Status::Ok();
+}
+
+int epmoe_validate_workspace_config(const epmoe_workspace_config* cfg) {
+  return guarded([&] {
+    epmoe::WorkspaceConfig c;
+    EPMOE_RETURN_IF_ERROR(to_ws_config(cfg, &c));
+    return epmoe::validate(c);
+  });
+}
+
+int epmoe_workspace_sizes(const epmoe_workspace_config* cfg, int64_t* symmetric, int64_t* local, int64_t* pool) {
+  return guarded([&] {
+    epmoe::WorkspaceConfig c;
+    EPMOE_RETURN_IF_ERROR(to_ws_config(cfg, &c));
+    EPMOE_RETURN_IF_ERROR(epmoe::validate(c));
+    const epmoe::WorkspaceSizes z = epmoe::workspace_sizes(c);
+    if (symmetric) *symmetric = z.symmetric;
+    if (local) *local = z.local;
+    if (pool) *pool = z.pool;
+    return Status::Ok();
+  });
+}
+
+int epmoe_check_layer_fits(const epmoe_workspace_config* ws, const epmoe_layer_config* layer) {
+  return guarded([&] {
+    epmoe::WorkspaceConfig w;
+    EPMOE_RETURN_IF_ERROR(to_ws_config(ws, &w));
+    EPMOE_RETURN_IF_ERROR(epmoe::validate(w));
+    epmoe::LayerConfig l;
+    EPMOE_RETURN_IF_ERROR(to_config(layer, &l));
+    if (l.num_ranks == 0) l.num_ranks = w.num_ranks;
+    return epmoe::check_fits(w, l);
+  });
+}
+
+int epmoe_w13_transform_bytes(int dtype, int experts_per_rank, int intermediate, int hidden, int64_t* weight_bytes,
+                              int64_t* scale_bytes) {
+  return guarded([&]() -> Status {
+    if (dtype != EPMOE_DTYPE_FP8 && dtype != EPMOE_DTYPE_BF16)
+      return invalid("dtype=", dtype, " must be EPMOE_DTYPE_FP8 (0) or EPMOE_DTYPE_BF16 (1)");
+    if (experts_per_rank < 1) return invalid("experts_per_rank=", experts_per_rank, " must be >= 1");
+    if (intermediate <= 0 || intermediate % 128 != 0)
+      return invalid("intermediate=", intermediate, " must be a positive multiple of 128");
+    if (hidden <= 0 || hidden % 128 != 0) return invalid("hidden=", hidden, " must be a positive multiple of 128");
+    const epmoe::W13Bytes b =
+        epmoe::w13_transform_bytes(static_cast<epmoe::DType>(dtype), experts_per_rank, intermediate, hidden);
+    if (weight_bytes) *weight_bytes = b.weight;
+    if (scale_bytes) *scale_bytes = b.scale;
+    return Status::Ok();
+  });
+}
+
+int epmoe_transform_w13(int dtype, const void* w13, const float* w13_scale, void* out, float* out_scale,
+                        int experts_per_rank, int intermediate, int hidden, void* stream) {
+  return guarded([&]() -> Status {
+    if (dtype != EPMOE_DTYPE_FP8 && dtype != EPMOE_DTYPE_BF16)
+      return invalid("dtype=", dtype, " must be EPMOE_DTYPE_FP8 (0) or EPMOE_DTYPE_BF16 (1)");
+    if (!w13) return invalid("transform_w13: w13 is null");
+    if (!out) return invalid("transform_w13: out is null");
+    // Why: the caller's current device may be another one (a framework's); the kernel runs where
+    // the weights are, and every buffer must be there.
+    int device = -1;
+    EPMOE_RETURN_IF_ERROR(device_of(w13, "w13", &device));
+    const struct { const void* p; const char* name; } others[3] = {{w13_scale, "w13_scale"}, {out, "out"},
+                                                                  {out_scale, "out_scale"}};
+    for (const auto& o : others) {
+      if (!o.p) continue;
+      int d = -1;
+      EPMOE_RETURN_IF_ERROR(device_of(o.p, o.name, &d));
+      if (d != device) return invalid("transform_w13: ", o.name, " is on device ", d, " but w13 on device ", device);
+    }
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(device));
+    return epmoe::transform_w13(static_cast<epmoe::DType>(dtype), w13, w13_scale, out, out_scale, experts_per_rank,
+                                intermediate, hidden, static_cast<cudaStream_t>(stream));
+  });
+}
 
 int epmoe_validate_config(const epmoe_layer_config* cfg) {
   return guarded([&] {
@@ -394,6 +485,136 @@ int epmoe_layer_forward(epmoe_layer* layer, const void* x, const int32_t* topk_i
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->forward(x, topk_idx, topk_weights, y, num_tokens,
                                  static_cast<cudaStream_t>(stream), static_cast<epmoe::Path>(path));
+  });
+}
+
+int epmoe_layer_forward_ex(epmoe_layer* layer, const void* x, const void* topk_idx, int idx_type,
+                           const float* topk_weights, void* y, int64_t num_tokens, int32_t* expert_counts,
+                           int64_t* expert_counts_total, void* stream, int path) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_layer(layer));
+    if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED)
+      return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0) or EPMOE_PATH_FUSED (1)");
+    if (idx_type != EPMOE_INDEX_INT32 && idx_type != EPMOE_INDEX_INT64)
+      return invalid("idx_type=", idx_type, " must be EPMOE_INDEX_INT32 (0) or EPMOE_INDEX_INT64 (1)");
+    epmoe::ForwardArgs a;
+    a.x = x;
+    a.topk_idx = topk_idx;
+    a.idx_type = idx_type == EPMOE_INDEX_INT64 ? epmoe::IndexType::kInt64 : epmoe::IndexType::kInt32;
+    a.topk_weights = topk_weights;
+    a.y = y;
+    a.num_tokens = num_tokens;
+    a.expert_counts = expert_counts;
+    a.expert_counts_total = expert_counts_total;
+    EPMOE_RETURN_IF_ERROR(epmoe::validate_call(layer->cfg, num_tokens, x, topk_idx, a.idx_type, topk_weights, y));
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
+    return layer->layer->forward(a, static_cast<cudaStream_t>(stream), static_cast<epmoe::Path>(path));
+  });
+}
+
+// ---- workspace ----------------------------------------------------------------------------------
+
+int epmoe_workspace_create(epmoe_comm* comm, const epmoe_workspace_config* cfg, epmoe_workspace** out) {
+  return guarded([&]() -> Status {
+    if (!out) return invalid("out is null");
+    *out = nullptr;
+    if (!comm || !comm->comm) return invalid("comm is null");
+    epmoe::WorkspaceConfig c;
+    EPMOE_RETURN_IF_ERROR(to_ws_config(cfg, &c));
+    if (c.num_ranks == 0) c.num_ranks = comm->size;
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
+    std::unique_ptr<epmoe::Workspace> ws;
+    EPMOE_RETURN_IF_ERROR(epmoe::Workspace::create(*comm->comm, c, &ws));
+    auto wrapper = std::make_unique<epmoe_workspace>();
+    wrapper->ws = ws.release();
+    wrapper->comm = comm;
+    *out = wrapper.release();
+    return Status::Ok();
+  });
+}
+
+int epmoe_workspace_get_config(const epmoe_workspace* ws, epmoe_workspace_config* cfg) {
+  return guarded([&]() -> Status {
+    if (!ws || !ws->ws) return invalid("workspace is null (destroyed or never created)");
+    if (!cfg) return invalid("cfg is null");
+    const epmoe::WorkspaceConfig& c = ws->ws->config();
+    *cfg = epmoe_workspace_config{};
+    cfg->num_ranks = c.num_ranks;
+    cfg->max_experts_per_rank = c.max_experts_per_rank;
+    cfg->max_hidden = c.max_hidden;
+    cfg->max_intermediate = c.max_intermediate;
+    cfg->max_topk = c.max_topk;
+    cfg->max_tokens_per_rank = c.max_tokens_per_rank;
+    cfg->dtype = static_cast<int32_t>(c.dtype);
+    cfg->timeout_seconds = c.timeout_seconds;
+    return Status::Ok();
+  });
+}
+
+int epmoe_workspace_nbytes(const epmoe_workspace* ws, int64_t* bytes) {
+  return guarded([&]() -> Status {
+    if (!ws || !ws->ws) return invalid("workspace is null (destroyed or never created)");
+    if (!bytes) return invalid("bytes is null");
+    *bytes = ws->ws->nbytes();
+    return Status::Ok();
+  });
+}
+
+int epmoe_workspace_num_layers(const epmoe_workspace* ws, int32_t* count) {
+  return guarded([&]() -> Status {
+    if (!ws || !ws->ws) return invalid("workspace is null (destroyed or never created)");
+    if (!count) return invalid("count is null");
+    *count = ws->ws->num_layers();
+    return Status::Ok();
+  });
+}
+
+int epmoe_workspace_destroy(epmoe_workspace* ws) {
+  return guarded([&]() -> Status {
+    if (!ws) return Status::Ok();
+    if (ws->ws) {
+      DeviceGuard guard;
+      // Release even if the device switch failed (see epmoe_comm_destroy).
+      (void)guard.enter(ws->comm->device);
+      // Why close first: it fails (and releases nothing) while a layer created on this workspace
+      // lives; the handle then stays valid.
+      EPMOE_RETURN_IF_ERROR(ws->ws->close());
+      delete ws->ws;
+      ws->ws = nullptr;
+    }
+    delete ws;
+    return Status::Ok();
+  });
+}
+
+int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_config* cfg, const epmoe_weight_refs* weights,
+                          epmoe_layer** out) {
+  return guarded([&]() -> Status {
+    if (!out) return invalid("out is null");
+    *out = nullptr;
+    if (!ws || !ws->ws) return invalid("workspace is null (destroyed or never created)");
+    epmoe::LayerConfig c;
+    EPMOE_RETURN_IF_ERROR(to_config(cfg, &c));
+    if (c.num_ranks == 0) c.num_ranks = ws->comm->size;
+    epmoe::ExpertWeightRefs refs;
+    if (weights) {
+      refs.w13 = weights->w13;
+      refs.w13_scale = weights->w13_scale;
+      refs.w2 = weights->w2;
+      refs.w2_scale = weights->w2_scale;
+    }
+    DeviceGuard guard;
+    EPMOE_RETURN_IF_ERROR(guard.enter(ws->comm->device));
+    std::unique_ptr<epmoe::MoELayer> layer;
+    EPMOE_RETURN_IF_ERROR(epmoe::MoELayer::create(*ws->ws, c, &layer, weights ? &refs : nullptr));
+    auto wrapper = std::make_unique<epmoe_layer>();
+    wrapper->layer = layer.release();
+    wrapper->comm = ws->comm;
+    wrapper->cfg = c;
+    *out = wrapper.release();
+    return Status::Ok();
   });
 }
 

@@ -134,8 +134,8 @@ Status Communicator::close() {
   const long others = impl_.use_count() - 1;
   if (others > 0)
     return detail::invalid("Communicator::close on rank ", impl_->rank,
-                           ": layers or dispatch handles made from this communicator still live (", others,
-                           " references to its state); destroy them first (on every rank), then close it");
+                           ": layers, workspaces or dispatch handles made from this communicator still live (",
+                           others, " references to its state); destroy them first (on every rank), then close it");
   impl_.reset();
   return Status::Ok();
 }

@@ -24,6 +24,7 @@
 #include "host/comm_internal.h"
 #include "host/dispatch_internal.h"
 #include "host/heuristics.h"
+#include "host/workspace_internal.h"
 
 namespace epmoe {
 namespace {
@@ -138,83 +139,22 @@ Status check_config_across_ranks(Communicator& comm, const DispatchConfig& c, co
 }  // namespace
 
 struct DispatchHandle::Impl {
-  std::unique_ptr<Communicator> comm;  // a share of the caller's (detail::CommAccess::share)
+  std::shared_ptr<detail::WorkspaceState> ws;  // the buffers (own, or a Workspace's)
   DispatchConfig cfg;
   layout::CommShape shape{};
   layout::ExpertPoolLayout pool_layout{};
-  SymmetricBuffer* sym = nullptr;
-  char* local_ws = nullptr;
-  char* pool = nullptr;
-  bool owns_pool = false;
   int num_blocks = 0;
   heuristics::TuningOverrides overrides;  // detail::tuning_overrides(), copied at create
-  bool never_arrive = false;  // the never-arrive test hook names this rank, read once at create
   int64_t last_tokens = -1;
-  // What the kernels report without a sync (layout/error_record.h): mapped pinned host memory,
-  // readable after the trap has killed the context. Host view and the device address.
-  layout::DeviceErrorRecord* record = nullptr;
-  layout::DeviceErrorRecord* record_dev = nullptr;
-  uint32_t routing_seq_reported = 0;  // the RoutingRecord sequence last turned into a Status
   unsigned long long* phase_ts = nullptr;  // benchmark only (DispatchAccess::set_phase_stamps)
-  bool timeout_printed = false;  // the record's line went to stderr once already
 
-  ~Impl() {
-    // Collective, like alloc_symmetric: every rank destroys its handle. Why log: a destructor cannot
-    // return a Status, and a failed free only leaks until the Communicator goes away.
-    if (sym) {
-      const Status st = comm->free_symmetric(sym, host_timeout(cfg));
-      if (!st.ok())
-        std::fprintf(stderr, "[epmoe] ~DispatchHandle on rank %d: %s\n", comm->rank(), st.to_string().c_str());
-    }
-    // Why not after a device timeout (the context is lost: cudaFree would only fail) or on a
-    // broken communicator (cudaFree waits for the device, where a collective may never end).
-    const bool lost = (record && record->timeout.valid) || (comm && detail::CommAccess::broken(*comm));
-    if (!lost) {
-      if (local_ws) cudaFree(local_ws);
-      if (owns_pool && pool) cudaFree(pool);
-      // Not when lost either: cudaFreeHost synchronizes the device as cudaFree does.
-      if (record) cudaFreeHost(record);
-    }
-  }
-  // The timeout record's line (also printed to stderr once when the kernel could not print it).
-  std::string timeout_line() {
-    layout::TimeoutRecord r;
-    std::atomic_thread_fence(std::memory_order_acquire);
-    std::memcpy(&r, const_cast<const layout::TimeoutRecord*>(&record->timeout), sizeof(r));
-    char line[320];
-    layout::format_timeout_record(r, line, sizeof(line));
-    if (!r.printed && !timeout_printed) std::fprintf(stderr, "%s\n", line);
-    timeout_printed = true;
-    return line;
-  }
-  bool timeout_recorded() const {
-    const volatile layout::TimeoutRecord* r = record ? &record->timeout : nullptr;
-    return r && r->valid;
-  }
-  // The routing report the host has not returned yet, if any (the seqlock's reader). Returns
-  // how many calls reported bad routing since the last one returned (the record keeps the latest).
-  uint32_t take_routing(layout::RoutingRecord* out) {
-    if (!record) return 0;
-    const volatile layout::RoutingRecord* v = &record->routing;
-    const uint32_t seq = v->seq;
-    if ((seq & 1u) || seq == routing_seq_reported) return 0;  // nothing new, or being written
-    std::atomic_thread_fence(std::memory_order_acquire);
-    std::memcpy(out, const_cast<const layout::RoutingRecord*>(&record->routing), sizeof(*out));
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (v->seq != seq) return 0;  // rewritten meanwhile: the next look gets the newer one
-    const uint32_t calls = (seq - routing_seq_reported) / 2u;
-    routing_seq_reported = seq;
-    return calls;
-  }
+  Communicator& comm() const { return *ws->comm; }
   comm::PeerPtrs peers() const {
     comm::PeerPtrs p{};
-    for (int r = 0; r < shape.num_ranks; ++r) p.ptr[r] = static_cast<char*>(sym->peers[r]);
+    for (int r = 0; r < shape.num_ranks; ++r) p.ptr[r] = static_cast<char*>(ws->sym->peers[r]);
     return p;
   }
   uint64_t timeout_ns() const { return uint64_t(cfg.timeout_seconds * 1e9); }
-  uint32_t* status_word() const {
-    return reinterpret_cast<uint32_t*>(local_ws + layout::CommLocalLayout{shape}.status_offset());
-  }
   // The grid of a dispatch or combine launch (heuristics::choose_comm_blocks).
   int blocks_for(int64_t tokens, int warps_per_block) const {
     heuristics::CommShape s;
@@ -225,6 +165,151 @@ struct DispatchHandle::Impl {
     return heuristics::choose_comm_blocks(s, tokens, warps_per_block, overrides);
   }
 };
+
+namespace detail {
+
+WorkspaceState::~WorkspaceState() {
+  // Collective, like alloc_symmetric. Why log: a destructor cannot return a Status, and a failed
+  // free only leaks until the Communicator goes away.
+  if (sym) {
+    const Status st = comm->free_symmetric(sym, timeout_seconds);
+    if (!st.ok()) std::fprintf(stderr, "[epmoe] workspace release on rank %d: %s\n", comm->rank(), st.to_string().c_str());
+  }
+  // Why not after a device timeout (the context is lost: cudaFree would only fail) or on a
+  // broken communicator (cudaFree waits for the device, where a collective may never end).
+  const bool lost = (record && record->timeout.valid) || (comm && CommAccess::broken(*comm));
+  if (!lost) {
+    if (local_ws) cudaFree(local_ws);
+    if (owns_pool && pool) cudaFree(pool);
+    if (done_event) cudaEventDestroy(done_event);
+    // Not when lost either: cudaFreeHost synchronizes the device as cudaFree does.
+    if (record) cudaFreeHost(record);
+  }
+}
+
+uint32_t* WorkspaceState::status_word() const {
+  return reinterpret_cast<uint32_t*>(local_ws + layout::CommLocalLayout{shape}.status_offset());
+}
+
+// The timeout record's line (also printed to stderr once when the kernel could not print it).
+std::string WorkspaceState::timeout_line() {
+  layout::TimeoutRecord r;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::memcpy(&r, const_cast<const layout::TimeoutRecord*>(&record->timeout), sizeof(r));
+  char line[320];
+  layout::format_timeout_record(r, line, sizeof(line));
+  if (!r.printed && !timeout_printed) std::fprintf(stderr, "%s\n", line);
+  timeout_printed = true;
+  return line;
+}
+
+bool WorkspaceState::timeout_recorded() const {
+  const volatile layout::TimeoutRecord* r = record ? &record->timeout : nullptr;
+  return r && r->valid;
+}
+
+// The routing report the host has not returned yet, if any (the seqlock's reader). Returns how
+// many calls reported bad routing since the last one returned (the record keeps the latest).
+uint32_t WorkspaceState::take_routing(layout::RoutingRecord* out) {
+  if (!record) return 0;
+  const volatile layout::RoutingRecord* v = &record->routing;
+  const uint32_t seq = v->seq;
+  if ((seq & 1u) || seq == routing_seq_reported) return 0;  // nothing new, or being written
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::memcpy(out, const_cast<const layout::RoutingRecord*>(&record->routing), sizeof(*out));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (v->seq != seq) return 0;  // rewritten meanwhile: the next look gets the newer one
+  const uint32_t calls = (seq - routing_seq_reported) / 2u;
+  routing_seq_reported = seq;
+  return calls;
+}
+
+Status WorkspaceState::take_device_error(bool routing) {
+  if (timeout_recorded())
+    return Status(StatusCode::kTimeout,
+                  "rank " + std::to_string(comm->rank()) + ": an earlier call's device-side wait timed out and " +
+                      "trapped: " + timeout_line() +
+                      ". The CUDA context is lost; restart the process (every rank's record names what it waited on)");
+  if (!routing) return Status::Ok();
+  layout::RoutingRecord r;
+  const uint32_t calls = take_routing(&r);
+  if (calls == 0) return Status::Ok();
+  char line[256];
+  layout::format_routing_record(r, line, sizeof(line));
+  std::string message = line;
+  if (calls > 1) message += "; " + std::to_string(calls) + " calls had bad routing since the last report";
+  return Status(StatusCode::kInvalidArgument, message);
+}
+
+// Why a wait even on the last call's stream: a graph replayed on another stream since then recorded
+// the event there, which the host never sees (a same-stream wait on an event already behind is
+// cheap).
+Status WorkspaceState::serialize(cudaStream_t stream, bool capturing) {
+  if (has_last)
+    EPMOE_CUDA_RETURN(
+        cudaStreamWaitEvent(stream, done_event, capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
+  return Status::Ok();
+}
+
+Status WorkspaceState::mark_end(cudaStream_t stream, bool capturing) {
+  EPMOE_CUDA_RETURN(
+      cudaEventRecordWithFlags(done_event, stream, capturing ? cudaEventRecordExternal : cudaEventRecordDefault));
+  has_last = true;
+  return Status::Ok();
+}
+
+Status create_workspace_state(Communicator& comm, const WorkspaceSpec& spec, std::shared_ptr<WorkspaceState>* out) {
+  auto m = std::make_shared<WorkspaceState>();
+  m->comm = CommAccess::share(comm);
+  m->shape = spec.shape;
+  m->timeout_seconds = spec.timeout_seconds > 0 && spec.timeout_seconds <= 3600 ? spec.timeout_seconds
+                                                                                : kDefaultHostTimeoutSeconds;
+#ifdef EPMOE_TEST_HOOKS
+  m->never_arrive = read_never_arrive(comm.rank());
+#endif
+  // This rank's own allocations, then every rank learns whether all of them worked: a rank that
+  // returned alone would leave the others in alloc_symmetric. A failed rank's state frees what it got.
+  const Status local = [&]() -> Status {
+    int max_blocks = 0;
+    EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
+    m->num_blocks = spec.num_blocks > 0 && spec.num_blocks < max_blocks ? spec.num_blocks : max_blocks;
+    const layout::CommLocalLayout loc{m->shape};
+    m->local_bytes = loc.num_bytes();
+    EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->local_ws), size_t(m->local_bytes)));
+    EPMOE_CUDA_RETURN(cudaMemset(m->local_ws, 0, size_t(m->local_bytes)));
+    // The error record: one per workspace, zeroed, the device address of its timeout part in the
+    // params and in the workspace slot that WaitSites built from the status word alone read (comm/wait.h).
+    EPMOE_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&m->record), sizeof(layout::DeviceErrorRecord),
+                                    cudaHostAllocMapped));
+    std::memset(static_cast<void*>(m->record), 0, sizeof(layout::DeviceErrorRecord));
+    EPMOE_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&m->record_dev), m->record, 0));
+    layout::TimeoutRecord* timeout_dev = &m->record_dev->timeout;
+    EPMOE_CUDA_RETURN(cudaMemcpy(m->local_ws + loc.timeout_record_offset(), &timeout_dev, sizeof(timeout_dev),
+                                 cudaMemcpyHostToDevice));
+    EPMOE_CUDA_RETURN(cudaEventCreateWithFlags(&m->done_event, cudaEventDisableTiming));
+    if (spec.external_pool) {
+      m->pool = static_cast<char*>(spec.external_pool);
+      m->pool_bytes = spec.pool_bytes;
+    } else {
+      m->pool_bytes = spec.pool_bytes;
+      EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->pool), size_t(m->pool_bytes)));
+      m->owns_pool = true;
+      // Counts and offsets read before the first dispatch are zeros, not garbage, whatever layer
+      // lays the pool out.
+      EPMOE_CUDA_RETURN(cudaMemset(m->pool, 0, size_t(m->pool_bytes)));
+    }
+    EPMOE_CUDA_RETURN(cudaDeviceSynchronize());
+    return Status::Ok();
+  }();
+  EPMOE_RETURN_IF_ERROR(agree_on_status(comm, local, "workspace (local allocations)", m->timeout_seconds));
+  // Last, so that no rank-local failure above leaves the peers holding a symmetric buffer.
+  const layout::CommSymLayout sym{m->shape};
+  EPMOE_RETURN_IF_ERROR(comm.alloc_symmetric(size_t(sym.num_bytes()), &m->sym, m->timeout_seconds));
+  *out = std::move(m);
+  return Status::Ok();
+}
+
+}  // namespace detail
 
 DispatchHandle::DispatchHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DispatchHandle::~DispatchHandle() = default;
@@ -264,57 +349,20 @@ Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std
   // external pool, and (the configs being equal) on an invalid config.
   EPMOE_RETURN_IF_ERROR(check_config_across_ranks(comm, cfg, external_pool));
   EPMOE_RETURN_IF_ERROR(validate(comm, cfg));
-  auto m = std::make_unique<Impl>();
-  m->comm = detail::CommAccess::share(comm);
-  m->cfg = cfg;
-  m->shape = comm_shape(comm.size(), cfg);
-  m->pool_layout = pool_layout(comm.size(), cfg);
-  m->overrides = detail::tuning_overrides();
-#ifdef EPMOE_TEST_HOOKS
-  m->never_arrive = read_never_arrive(comm.rank());
-#endif
-  // This rank's own allocations, then every rank learns whether all of them worked: a rank that
-  // returned alone would leave the others in alloc_symmetric. A failed rank's Impl frees what it got.
-  const Status local = [&]() -> Status {
-    int max_blocks = 0;
-    EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, comm.device()));
-    m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < max_blocks ? cfg.num_blocks : max_blocks;
-    const layout::CommLocalLayout loc{m->shape};
-    EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->local_ws), size_t(loc.num_bytes())));
-    EPMOE_CUDA_RETURN(cudaMemset(m->local_ws, 0, size_t(loc.num_bytes())));
-    // The error record: one per handle, zeroed, the device address of its timeout part in the params
-    // and in the workspace slot that WaitSites built from the status word alone read (comm/wait.h).
-    EPMOE_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&m->record), sizeof(layout::DeviceErrorRecord),
-                                    cudaHostAllocMapped));
-    std::memset(static_cast<void*>(m->record), 0, sizeof(layout::DeviceErrorRecord));
-    EPMOE_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&m->record_dev), m->record, 0));
-    layout::TimeoutRecord* timeout_dev = &m->record_dev->timeout;
-    EPMOE_CUDA_RETURN(cudaMemcpy(m->local_ws + loc.timeout_record_offset(), &timeout_dev, sizeof(timeout_dev),
-                                 cudaMemcpyHostToDevice));
-    if (external_pool) {
-      m->pool = static_cast<char*>(external_pool);
-    } else {
-      EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&m->pool), size_t(m->pool_layout.num_bytes())));
-      m->owns_pool = true;
-    }
-    // Counts and offsets read before the first dispatch are zeros, not garbage.
-    EPMOE_CUDA_RETURN(cudaMemset(m->pool + m->pool_layout.expert_count_offset(), 0,
-                                 size_t(m->pool_layout.num_bytes() - m->pool_layout.expert_count_offset())));
-    EPMOE_CUDA_RETURN(cudaDeviceSynchronize());
-    return Status::Ok();
-  }();
-  EPMOE_RETURN_IF_ERROR(
-      detail::agree_on_status(comm, local, "DispatchHandle::create (local allocations)", host_timeout(cfg)));
-  // Last, so that no rank-local failure above leaves the peers holding a symmetric buffer.
-  const layout::CommSymLayout sym{m->shape};
-  EPMOE_RETURN_IF_ERROR(comm.alloc_symmetric(size_t(sym.num_bytes()), &m->sym, host_timeout(cfg)));
-  out->reset(new DispatchHandle(std::move(m)));
-  return Status::Ok();
+  detail::WorkspaceSpec spec;
+  spec.shape = comm_shape(comm.size(), cfg);
+  spec.pool_bytes = pool_layout(comm.size(), cfg).num_bytes();
+  spec.external_pool = external_pool;
+  spec.num_blocks = cfg.num_blocks;
+  spec.timeout_seconds = host_timeout(cfg);
+  std::shared_ptr<detail::WorkspaceState> ws;
+  EPMOE_RETURN_IF_ERROR(detail::create_workspace_state(comm, spec, &ws));
+  return detail::DispatchAccess::create_on(std::move(ws), cfg, out, /*collective=*/false);
 }
 
 ExpertPoolView DispatchHandle::pool() const {
   const auto& pl = impl_->pool_layout;
-  char* b = impl_->pool;
+  char* b = impl_->ws->pool;
   ExpertPoolView v;
   v.base = b;
   v.bytes = pl.num_bytes();
@@ -334,22 +382,30 @@ ExpertPoolView DispatchHandle::pool() const {
 
 Status DispatchHandle::dispatch(const void* x, const int32_t* topk_idx, const float* topk_weights, int64_t num_tokens,
                                 cudaStream_t stream) {
-  Impl& m = *impl_;
+  return detail::DispatchAccess::dispatch_typed(*this, x, topk_idx, IndexType::kInt32, topk_weights, num_tokens, stream);
+}
+
+Status detail::DispatchAccess::dispatch_typed(DispatchHandle& h, const void* x, const void* topk_idx,
+                                              IndexType idx_type, const float* topk_weights, int64_t num_tokens,
+                                              cudaStream_t stream) {
+  DispatchHandle::Impl& m = *h.impl_;
   if (num_tokens < 0 || num_tokens > m.cfg.max_tokens_per_rank)
     return detail::invalid("dispatch: num_tokens=", num_tokens, " must be in [0, max_tokens_per_rank=",
                            m.cfg.max_tokens_per_rank, "]");
   if (num_tokens > 0 && (!x || !topk_idx || !topk_weights))
     return detail::invalid("dispatch: x, topk_idx and topk_weights must be non-null when num_tokens=", num_tokens, " > 0");
-  // Why: the kernels load x in 16-byte vectors and the routing in 4-byte words.
+  // Why: the kernels load x in 16-byte vectors and the routing in 4- or 8-byte words.
+  const uintptr_t idx_bytes = idx_type == IndexType::kInt64 ? 8 : 4;
   if (misaligned(x, 16)) return detail::invalid("dispatch: x=", x, " must be 16-byte aligned");
-  if (misaligned(topk_idx, 4)) return detail::invalid("dispatch: topk_idx=", topk_idx, " must be 4-byte aligned");
+  if (misaligned(topk_idx, idx_bytes))
+    return detail::invalid("dispatch: topk_idx=", topk_idx, " must be ", idx_bytes, "-byte aligned");
   if (misaligned(topk_weights, 4))
     return detail::invalid("dispatch: topk_weights=", topk_weights, " must be 4-byte aligned");
-  if (m.never_arrive) {  // debug injection: the peers' waits for this rank expire
+  if (m.ws->never_arrive) {  // debug injection: the peers' waits for this rank expire
     m.last_tokens = num_tokens;
     return Status::Ok();
   }
-  const comm::DispatchParams p = detail::DispatchAccess::dispatch_params(*this, x, topk_idx, topk_weights, num_tokens);
+  const comm::DispatchParams p = dispatch_params(h, x, topk_idx, idx_type, topk_weights, num_tokens);
   EPMOE_CUDA_RETURN(comm::launch_dispatch(p, m.blocks_for(num_tokens, comm::kCommThreads / 32), stream));
   m.last_tokens = num_tokens;
   return Status::Ok();
@@ -363,7 +419,7 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
   if (num_tokens != m.last_tokens)
     return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
   if (num_tokens > 0 && !y) return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
-  if (m.never_arrive) return Status::Ok();
+  if (m.ws->never_arrive) return Status::Ok();
   const comm::CombineParams p = detail::DispatchAccess::combine_params(*this, y);
   EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens, comm::kCombineThreads / 32), stream));
   return Status::Ok();
@@ -371,24 +427,25 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
 
 namespace detail {
 
-comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, const void* x, const int32_t* topk_idx,
-                                                     const float* topk_weights, int64_t num_tokens) {
+comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, const void* x, const void* topk_idx,
+                                                     IndexType idx_type, const float* topk_weights, int64_t num_tokens) {
   const DispatchHandle::Impl& m = *h.impl_;
   comm::DispatchParams p{};
   p.shape = m.shape;
-  p.rank = m.comm->rank();
+  p.rank = m.comm().rank();
   p.x = static_cast<const uint16_t*>(x);
   p.topk_idx = topk_idx;
+  p.topk_idx_bytes = idx_type == IndexType::kInt64 ? 8 : 4;
   p.topk_w = topk_weights;
   p.num_tokens = int(num_tokens);
-  p.pool = m.pool;
+  p.pool = m.ws->pool;
   p.pool_layout = m.pool_layout;
   p.sym = m.peers();
-  p.local_ws = m.local_ws;
+  p.local_ws = m.ws->local_ws;
   p.pow2_scales = m.cfg.pow2_scales;
   p.timeout_ns = m.timeout_ns();
-  p.timeout_record = &m.record_dev->timeout;
-  p.routing_record = &m.record_dev->routing;
+  p.timeout_record = &m.ws->record_dev->timeout;
+  p.routing_record = &m.ws->record_dev->routing;
   p.phase_ts = m.phase_ts;
   return p;
 }
@@ -397,48 +454,68 @@ comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void
   const DispatchHandle::Impl& m = *h.impl_;
   comm::CombineParams p{};
   p.shape = m.shape;
-  p.rank = m.comm->rank();
-  p.pool = m.pool;
+  p.rank = m.comm().rank();
+  p.pool = m.ws->pool;
   p.pool_layout = m.pool_layout;
   p.y = static_cast<uint16_t*>(y);
   p.sym = m.peers();
-  p.local_ws = m.local_ws;
+  p.local_ws = m.ws->local_ws;
   p.timeout_ns = m.timeout_ns();
-  p.timeout_record = &m.record_dev->timeout;
+  p.timeout_record = &m.ws->record_dev->timeout;
   p.phase_ts = m.phase_ts;
   return p;
 }
 
-bool DispatchAccess::never_arrive(const DispatchHandle& h) { return h.impl_->never_arrive; }
+bool DispatchAccess::never_arrive(const DispatchHandle& h) { return h.impl_->ws->never_arrive; }
 
-bool DispatchAccess::timeout_recorded(const DispatchHandle& h) { return h.impl_->timeout_recorded(); }
+bool DispatchAccess::timeout_recorded(const DispatchHandle& h) { return h.impl_->ws->timeout_recorded(); }
 
 Status DispatchAccess::take_device_error(DispatchHandle& h, bool routing) {
-  DispatchHandle::Impl& m = *h.impl_;
-  if (m.timeout_recorded())
-    return Status(StatusCode::kTimeout,
-                  "rank " + std::to_string(m.comm->rank()) + ": an earlier call's device-side wait timed out and " +
-                      "trapped: " + m.timeout_line() +
-                      ". The CUDA context is lost; restart the process (every rank's record names what it waited on)");
-  if (!routing) return Status::Ok();
-  layout::RoutingRecord r;
-  const uint32_t calls = m.take_routing(&r);
-  if (calls == 0) return Status::Ok();
-  char line[256];
-  layout::format_routing_record(r, line, sizeof(line));
-  std::string message = line;
-  if (calls > 1) message += "; " + std::to_string(calls) + " calls had bad routing since the last report";
-  return Status(StatusCode::kInvalidArgument, message);
+  return h.impl_->ws->take_device_error(routing);
 }
 
 layout::WatchdogParams DispatchAccess::watchdog(const DispatchHandle& h) {
   const DispatchHandle::Impl& m = *h.impl_;
   layout::WatchdogParams w{};
   w.timeout_ns = m.timeout_ns();
-  w.record = &m.record_dev->timeout;
-  w.status = m.status_word();
-  w.rank = m.comm->rank();
+  w.record = &m.ws->record_dev->timeout;
+  w.status = m.ws->status_word();
+  w.rank = m.comm().rank();
   return w;
+}
+
+const std::shared_ptr<WorkspaceState>& DispatchAccess::state(const DispatchHandle& h) { return h.impl_->ws; }
+
+Status DispatchAccess::create_on(std::shared_ptr<WorkspaceState> ws, const DispatchConfig& cfg,
+                                 std::unique_ptr<DispatchHandle>* out, bool collective) {
+  Communicator& comm = *ws->comm;
+  if (collective) {
+    EPMOE_RETURN_IF_ERROR(check_config_across_ranks(comm, cfg, nullptr));
+    EPMOE_RETURN_IF_ERROR(DispatchHandle::validate(comm, cfg));
+  }
+  auto m = std::make_unique<DispatchHandle::Impl>();
+  m->cfg = cfg;
+  m->shape = comm_shape(comm.size(), cfg);
+  // The buffers' room: offsets follow it, so every handle on this state finds each region at the
+  // same place (layout::CommCapacity). T_max is the state's.
+  m->shape.max_tokens = ws->shape.max_tokens;
+  m->shape.cap = ws->shape.cap;
+  m->pool_layout = layout::ExpertPoolLayout{layout::pool_shape_for(m->shape, cfg.intermediate, cfg.row_align)};
+  const layout::CommSymLayout mine{m->shape}, room{ws->shape};
+  const layout::CommLocalLayout mine_loc{m->shape}, room_loc{ws->shape};
+  if (mine.num_bytes() != room.num_bytes() || mine_loc.num_bytes() != room_loc.num_bytes() ||
+      m->pool_layout.num_bytes() > ws->pool_bytes)
+    return Status(StatusCode::kInternal,
+                  "DispatchHandle on a workspace: the shape's buffers (symmetric " + std::to_string(mine.num_bytes()) +
+                      ", local " + std::to_string(mine_loc.num_bytes()) + ", pool " +
+                      std::to_string(m->pool_layout.num_bytes()) + " bytes) do not match the workspace's (" +
+                      std::to_string(room.num_bytes()) + ", " + std::to_string(room_loc.num_bytes()) + ", " +
+                      std::to_string(ws->pool_bytes) + "); a bug in the fit check");
+  m->num_blocks = cfg.num_blocks > 0 && cfg.num_blocks < ws->num_blocks ? cfg.num_blocks : ws->num_blocks;
+  m->overrides = tuning_overrides();
+  m->ws = std::move(ws);
+  out->reset(new DispatchHandle(std::move(m)));
+  return Status::Ok();
 }
 
 void DispatchAccess::set_last_tokens(DispatchHandle& h, int64_t num_tokens) { h.impl_->last_tokens = num_tokens; }
@@ -451,11 +528,11 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
   const cudaError_t sync = cudaStreamSynchronize(stream);
   if (sync != cudaSuccess) {
     std::ostringstream os;
-    os << "rank " << m.comm->rank() << ": ";
+    os << "rank " << m.comm().rank() << ": ";
     // Why read the record now: a bounded wait that expires writes it (host memory) and traps, which
     // kills the context; the status word can no longer be read, the record still can.
-    if (m.timeout_recorded()) {
-      os << "a device-side wait timed out and trapped: " << m.timeout_line()
+    if (m.ws->timeout_recorded()) {
+      os << "a device-side wait timed out and trapped: " << m.ws->timeout_line()
          << ". Likely a peer rank stalled, died, skipped the call or issued dispatch/combine/forward calls in a "
          << "different order. cudaStreamSynchronize failed: " << cudaGetErrorName(sync) << " ("
          << cudaGetErrorString(sync) << "). The CUDA context is unusable after this; restart the process";
@@ -470,14 +547,14 @@ Status DispatchHandle::check_errors(cudaStream_t stream) {
   }
   const layout::CommLocalLayout loc{m.shape};
   uint32_t word = 0;
-  EPMOE_CUDA_RETURN(cudaMemcpy(&word, m.local_ws + loc.status_offset(), 4, cudaMemcpyDeviceToHost));
-  if (word != 0) EPMOE_CUDA_RETURN(cudaMemset(m.local_ws + loc.status_offset(), 0, 4));
+  EPMOE_CUDA_RETURN(cudaMemcpy(&word, m.ws->local_ws + loc.status_offset(), 4, cudaMemcpyDeviceToHost));
+  if (word != 0) EPMOE_CUDA_RETURN(cudaMemset(m.ws->local_ws + loc.status_offset(), 0, 4));
   // Bad routing comes from the host record (it names the slot); the status bit only says that
   // some call had it, and a forward may have returned that report already.
   const Status routing = detail::DispatchAccess::take_device_error(*this);
   if ((word & comm::kStatusInternal) == 0) return routing;
   std::ostringstream os;
-  os << "rank " << m.comm->rank() << ": dispatch/combine recorded an internal row-index error (status 0x" << std::hex
+  os << "rank " << m.comm().rank() << ": dispatch/combine recorded an internal row-index error (status 0x" << std::hex
      << word << std::dec << "; a bug)";
   if (!routing.ok()) os << "; also: " << routing.message();
   return Status(StatusCode::kInternal, os.str());

@@ -4,19 +4,24 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "device/comm/dispatch_params.h"
 #include "device/layout/error_record.h"
 #include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "epmoe/status.h"
+#include "host/workspace_internal.h"
 
 namespace epmoe::detail {
 
 struct DispatchAccess {
   // No checks: the caller has validated the call (validate_call) as dispatch() would.
-  static comm::DispatchParams dispatch_params(const DispatchHandle& h, const void* x, const int32_t* topk_idx,
-                                              const float* topk_weights, int64_t num_tokens);
+  static comm::DispatchParams dispatch_params(const DispatchHandle& h, const void* x, const void* topk_idx,
+                                              IndexType idx_type, const float* topk_weights, int64_t num_tokens);
+  // DispatchHandle::dispatch with an int32 or int64 topk_idx.
+  static Status dispatch_typed(DispatchHandle& h, const void* x, const void* topk_idx, IndexType idx_type,
+                               const float* topk_weights, int64_t num_tokens, cudaStream_t stream);
   static comm::CombineParams combine_params(const DispatchHandle& h, void* y);
   // Test builds: the never-arrive hook (detail::set_debug_never_arrive_rank) names this rank:
   // launch nothing (the fused path must honour it too). Always false in other builds.
@@ -39,6 +44,12 @@ struct DispatchAccess {
   // combine (and the fused path's comm phases) fill from then on (comm::CommPhase); nullptr: off.
   // The caller zeroes it before each call it wants to read and owns its memory.
   static void set_phase_stamps(DispatchHandle& h, unsigned long long* stamps);
+  // A handle over an existing state (a Workspace's): allocates nothing on the device. The shape is
+  // laid out with the state's capacity and T_max; the caller has checked that `cfg` fits it.
+  // collective: first agree on `cfg` across ranks and validate it (every rank fails together).
+  static Status create_on(std::shared_ptr<WorkspaceState> ws, const DispatchConfig& cfg,
+                          std::unique_ptr<DispatchHandle>* out, bool collective);
+  static const std::shared_ptr<WorkspaceState>& state(const DispatchHandle& h);
 };
 
 }  // namespace epmoe::detail

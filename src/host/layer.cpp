@@ -1,9 +1,10 @@
 // MoELayer: the pipeline (dispatch -> L1 + SwiGLU -> L2 -> combine, four kernels) and the fused
 // path (the same four stages in one cooperative megakernel, src/device/kernels/sm90_fused_moe.cuh).
 // Both are stream-ordered with no host sync, so a forward call can be captured in a CUDA graph.
-// Calls on different streams are serialized (an event at the end of each call; the next call, on
+// A layer runs on a workspace's buffers (its own or a shared one: src/host/workspace_internal.h).
+// Calls on one workspace are serialized (an event at the end of each call; the next call, on
 // whatever stream, waits for it), and errors the kernels recorded in host memory come back from the
-// next forward without a sync.
+// next forward on that workspace without a sync.
 #include "epmoe/layer.h"
 
 #include <cuda_runtime_api.h>
@@ -23,6 +24,8 @@
 #include "host/gemm.h"
 #include "host/heuristics.h"
 #include "host/layer_impl.h"
+#include "host/workspace_internal.h"
+#include "device/kernels/expert_counts.h"
 
 namespace epmoe {
 
@@ -43,7 +46,11 @@ struct DeviceBuffer {
 
 class PipelineLayer final : public MoELayer, public detail::LayerInternals {
  public:
-  PipelineLayer(Communicator& comm, const LayerConfig& cfg) : comm_(detail::CommAccess::share(comm)), cfg_(cfg) {}
+  PipelineLayer(std::shared_ptr<detail::WorkspaceState> ws, const LayerConfig& cfg, const ExpertWeightRefs* refs)
+      : comm_(detail::CommAccess::share(*ws->comm)), ws_(std::move(ws)), cfg_(cfg), by_reference_(refs != nullptr) {
+    if (refs) refs_ = *refs;
+    ++ws_->num_layers;  // Workspace::close refuses while a layer lives
+  }
 
   // Collective. Each step that can fail on one rank only ends in an agreement (a bounded
   // all-gather of every rank's Status), so every rank fails together, with the failing ranks and
@@ -65,15 +72,25 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     const Status local = [&]() -> Status {
       const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
       const size_t elem = cfg_.dtype == DType::kFP8 ? 1 : 2;
-      EPMOE_RETURN_IF_ERROR(w1_.alloc(size_t(g) * 2 * i * h * elem));
-      EPMOE_RETURN_IF_ERROR(w2_.alloc(size_t(g) * h * i * elem));
-      if (cfg_.dtype == DType::kFP8) {
-        EPMOE_RETURN_IF_ERROR(w1_scale_.alloc(size_t(g) * (2 * i / 128) * (h / 128) * sizeof(float)));
-        EPMOE_RETURN_IF_ERROR(w2_scale_.alloc(size_t(g) * (h / 128) * (i / 128) * sizeof(float)));
+      if (by_reference_) {
+        EPMOE_RETURN_IF_ERROR(check_weight_refs());
+        w1_ptr_ = refs_.w13;
+        w1_scale_ptr_ = refs_.w13_scale;
+        w2_ptr_ = refs_.w2;
+        w2_scale_ptr_ = refs_.w2_scale;
+      } else {
+        EPMOE_RETURN_IF_ERROR(w1_.alloc(size_t(g) * 2 * i * h * elem));
+        EPMOE_RETURN_IF_ERROR(w2_.alloc(size_t(g) * h * i * elem));
+        if (cfg_.dtype == DType::kFP8) {
+          EPMOE_RETURN_IF_ERROR(w1_scale_.alloc(size_t(g) * (2 * i / 128) * (h / 128) * sizeof(float)));
+          EPMOE_RETURN_IF_ERROR(w2_scale_.alloc(size_t(g) * (h / 128) * (i / 128) * sizeof(float)));
+        }
+        w1_ptr_ = w1_.ptr;
+        w1_scale_ptr_ = static_cast<const float*>(w1_scale_.ptr);
+        w2_ptr_ = w2_.ptr;
+        w2_scale_ptr_ = static_cast<const float*>(w2_scale_.ptr);
       }
       for (auto& e : stage_events_) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
-      EPMOE_CUDA_RETURN(cudaEventCreateWithFlags(&done_event_, cudaEventDisableTiming));
-      EPMOE_RETURN_IF_ERROR(phase_ts_.alloc(sizeof(unsigned long long) * fused::kFusedPhaseCount));
 #ifdef EPMOE_TEST_HOOKS
       if (detail::debug_fail_create_rank() == comm_->rank())
         return Status(StatusCode::kCudaError, "out of memory (simulated by the fail-create test hook)");
@@ -82,7 +99,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     }();
     EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*comm_, local, "MoELayer::create (local allocations)",
                                                   cfg_.timeout_seconds));
-    EPMOE_RETURN_IF_ERROR(DispatchHandle::create(*comm_, dc, &dispatch_));
+    // A view of the workspace's buffers: allocates nothing; agrees on dc across ranks.
+    EPMOE_RETURN_IF_ERROR(detail::DispatchAccess::create_on(ws_, dc, &dispatch_, /*collective=*/true));
 
     // Why plan here: every host step of the GEMMs that can fail (checks, the sm_90 check, tensor
     // maps, kernel attributes) runs now, so forward() cannot return between dispatch and combine
@@ -91,12 +109,12 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     const int g = cfg_.experts_per_rank(), h = cfg_.hidden, i = cfg_.intermediate;
     const ExpertPoolView pool = dispatch_->pool();
     const gemm::GroupedArgs args{g, pool.expert_count, pool.expert_offset, pool.max_rows, pool.scale_stride};
-    Status planned = gemm::plan_l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_.ptr,
-                                   static_cast<const float*>(w1_scale_.ptr), pool.row_weight, h, i,
+    Status planned = gemm::plan_l1(cfg_.dtype, args, pool.x_pool, pool.x_scale, w1_ptr_, w1_scale_ptr_,
+                                   pool.row_weight, h, i,
                                    cfg_.activation_clamp, cfg_.pow2_scales, pool.a_pool, pool.a_scale, &plan_l1_);
     if (planned.ok())
-      planned = gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_.ptr,
-                              static_cast<const float*>(w2_scale_.ptr), i, h, pool.o_pool, &plan_l2_);
+      planned = gemm::plan_l2(cfg_.dtype, args, pool.a_pool, pool.a_scale, w2_ptr_, w2_scale_ptr_, i, h, pool.o_pool,
+                              &plan_l2_);
     // Every GEMM wait of this layer is bounded by its timeout_seconds and reports into its error
     // record, as the comm waits do.
     layout::WatchdogParams watchdog = detail::DispatchAccess::watchdog(*dispatch_);
@@ -112,19 +130,53 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   ~PipelineLayer() override {
-    // The dispatch handle first (its destructor is the collective step), then the local buffers.
+    // The dispatch handle and the workspace share first (the last share's release is the collective
+    // step), then the local buffers.
     dispatch_.reset();
-    if (detail::CommAccess::broken(*comm_)) {
+    const bool broken = detail::CommAccess::broken(*comm_);
+    --ws_->num_layers;
+    ws_.reset();
+    if (broken) {
       // Why leak: cudaFree waits for the device, where a collective a peer never joined may never
       // end; the process is expected to exit.
       for (DeviceBuffer* b : {&w1_, &w2_, &w1_scale_, &w2_scale_, &phase_ts_}) b->leak();
       return;
     }
     for (auto& e : stage_events_) if (e) cudaEventDestroy(e);
-    if (done_event_) cudaEventDestroy(done_event_);
+  }
+
+  // Weights by reference: set, aligned as the tensor maps need, and memory of this device.
+  Status check_weight_refs() const {
+    const bool fp8 = cfg_.dtype == DType::kFP8;
+    const struct { const void* p; const char* name; uintptr_t align; bool needed; } fields[4] = {
+        {refs_.w13, "w13", 16, true}, {refs_.w13_scale, "w13_scale", 4, fp8},
+        {refs_.w2, "w2", 16, true}, {refs_.w2_scale, "w2_scale", 4, fp8}};
+    for (const auto& f : fields) {
+      if (!f.needed) {
+        if (f.p) return invalid("ExpertWeightRefs.", f.name, " must be null in BF16 mode (no weight scales)");
+        continue;
+      }
+      if (!f.p) return invalid("ExpertWeightRefs.", f.name, " is null");
+      if (reinterpret_cast<uintptr_t>(f.p) % f.align != 0)
+        return invalid("ExpertWeightRefs.", f.name, "=", f.p, " must be ", f.align, "-byte aligned");
+      cudaPointerAttributes attr{};
+      const cudaError_t e = cudaPointerGetAttributes(&attr, f.p);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return invalid("ExpertWeightRefs.", f.name, "=", f.p, " is not memory CUDA knows (", cudaGetErrorName(e), ")");
+      }
+      if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != comm_->device())
+        return invalid("ExpertWeightRefs.", f.name, "=", f.p, " must be device memory of the layer's device ",
+                       comm_->device(), " (it is ", attr.type == cudaMemoryTypeHost ? "host memory" : "memory of device ",
+                       attr.type == cudaMemoryTypeHost ? "" : std::to_string(attr.device), ")");
+    }
+    return Status::Ok();
   }
 
   Status load_weights(const ExpertWeights& w, cudaStream_t stream) override {
+    if (by_reference_)
+      return invalid("load_weights: this layer references the caller's weights (created with ExpertWeightRefs); it "
+                     "copies nothing");
     const bool fp8 = cfg_.dtype == DType::kFP8;
     if (!w.w1 || !w.w2) return invalid("load_weights: w1 and w2 must be set");
     if (fp8 && (!w.w1_scale || !w.w2_scale))
@@ -161,8 +213,28 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   Status forward(const void* x, const int32_t* topk_idx, const float* topk_weights, void* y,
                  int64_t num_tokens, cudaStream_t stream, Path path) override {
-    EPMOE_RETURN_IF_ERROR(validate_call(cfg_, num_tokens, x, topk_idx, topk_weights, y));
-    if (!weights_loaded_) return invalid("forward: load_weights() has not been called");
+    ForwardArgs a;
+    a.x = x;
+    a.topk_idx = topk_idx;
+    a.topk_weights = topk_weights;
+    a.y = y;
+    a.num_tokens = num_tokens;
+    return forward(a, stream, path);
+  }
+
+  Status forward(const ForwardArgs& a, cudaStream_t stream, Path path) override {
+    const void* x = a.x;
+    const void* topk_idx = a.topk_idx;
+    const float* topk_weights = a.topk_weights;
+    void* y = a.y;
+    const int64_t num_tokens = a.num_tokens;
+    EPMOE_RETURN_IF_ERROR(validate_call(cfg_, num_tokens, x, topk_idx, a.idx_type, topk_weights, y));
+    if (reinterpret_cast<uintptr_t>(a.expert_counts) % 4 != 0)
+      return invalid("forward: expert_counts=", static_cast<const void*>(a.expert_counts), " must be 4-byte aligned");
+    if (reinterpret_cast<uintptr_t>(a.expert_counts_total) % 8 != 0)
+      return invalid("forward: expert_counts_total=", static_cast<const void*>(a.expert_counts_total),
+                     " must be 8-byte aligned");
+    if (!by_reference_ && !weights_loaded_) return invalid("forward: load_weights() has not been called");
     if (path == Path::kFused) {
       EPMOE_RETURN_IF_ERROR(fused_status_);
     }
@@ -188,21 +260,26 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     EPMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
     const bool capturing = capture != cudaStreamCaptureStatusNone;
-    const Status earlier = detail::DispatchAccess::take_device_error(*dispatch_, !capturing);
+    const Status earlier = ws_->take_device_error(!capturing);
     if (earlier.code() == StatusCode::kTimeout) return earlier;
     const auto with_earlier = [&](const Status& st) {
       return earlier.ok() ? st : Status(st.code(), st.message() + "; also: " + earlier.message());
     };
 
-    // One call at a time: every call waits for the last one's end (serialize).
-    if (const Status st = serialize(stream, capturing); !st.ok()) return with_earlier(st);
+    // One call at a time: every call waits for the last one's end (WorkspaceState::serialize).
+    if (const Status st = ws_->serialize(stream, capturing); !st.ok()) return with_earlier(st);
     if (cfg_.strict_routing) {
-      if (const Status st = check_routing_strict(topk_idx, num_tokens, stream, capturing); !st.ok())
+      if (const Status st = check_routing_strict(topk_idx, a.idx_type, num_tokens, stream, capturing); !st.ok())
         return with_earlier(st);
     }
-    const Status ran = run(x, topk_idx, topk_weights, y, num_tokens, stream, path);
-    // Recorded whatever happened: a later call on another stream waits for whatever this one enqueued.
-    const Status ended = mark_end(stream, capturing);
+    Status ran = run(x, topk_idx, a.idx_type, topk_weights, y, num_tokens, stream, path);
+    // The expert counts: the pool's, written by this call's dispatch, copied (and summed) on the stream.
+    if (ran.ok() && (a.expert_counts || a.expert_counts_total))
+      ran = detail::cuda_status(kernels::launch_expert_counts(dispatch_->pool().expert_count, cfg_.experts_per_rank(),
+                                                              a.expert_counts, a.expert_counts_total, stream),
+                                "launch_expert_counts", __FILE__, __LINE__);
+    // Recorded whatever happened: the next call waits for whatever this one enqueued.
+    const Status ended = ws_->mark_end(stream, capturing);
     if (!ran.ok()) return with_earlier(ran);
     if (!ended.ok()) return with_earlier(ended);
     return earlier.ok() ? Status::Ok()
@@ -211,8 +288,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   // The launches of one forward call (after its checks).
-  Status run(const void* x, const int32_t* topk_idx, const float* topk_weights, void* y, int64_t num_tokens,
-             cudaStream_t stream, Path path) {
+  Status run(const void* x, const void* topk_idx, IndexType idx_type, const float* topk_weights, void* y,
+             int64_t num_tokens, cudaStream_t stream, Path path) {
     timing_error_ = Status::Ok();
     if (timing_) {
       const Status st = detail::cuda_status(cudaEventRecord(stage_events_[0], stream), "cudaEventRecord",
@@ -231,7 +308,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       // One launch; if it fails nothing ran here, and the peers' calls time out as they would if
       // this rank had not called forward at all.
       fused::FusedMoeParams fp;
-      fp.dispatch = detail::DispatchAccess::dispatch_params(*dispatch_, x, topk_idx, topk_weights, num_tokens);
+      fp.dispatch =
+          detail::DispatchAccess::dispatch_params(*dispatch_, x, topk_idx, idx_type, topk_weights, num_tokens);
       fp.l1 = plan_l1_.params;
       fp.l2 = plan_l2_.params;
       const heuristics::Tuning t = tuning(num_tokens);
@@ -270,7 +348,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       return Status::Ok();
     }
     last_path_ = Path::kPipeline;
-    const Status dispatched = dispatch_->dispatch(x, topk_idx, topk_weights, num_tokens, stream);
+    const Status dispatched = detail::DispatchAccess::dispatch_typed(*dispatch_, x, topk_idx, idx_type, topk_weights,
+                                                                     num_tokens, stream);
     if (!dispatched.ok()) return timing_failed(explain_cuda_error(dispatched, stream));
 
     // From here on every peer waits for this rank's combine: an error no longer returns early.
@@ -301,43 +380,31 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   Status check_device_error(cudaStream_t stream) override { return dispatch_->check_errors(stream); }
 
-  // Orders this call after the previous one, whatever stream it came on. Under stream capture the
-  // wait and the record below are external event nodes: a replay of the graph waits for the last
-  // call before it and is waited for by the next one, whichever streams they use. Why a wait even
-  // on the last call's stream: a graph replayed on another stream since then recorded the event
-  // there, which the host never sees (a same-stream wait on an event already behind is cheap).
-  // `capturing`: whether `stream` is capturing a graph (forward asks once per call).
-  Status serialize(cudaStream_t stream, bool capturing) {
-    if (has_last_)
-      EPMOE_CUDA_RETURN(
-          cudaStreamWaitEvent(stream, done_event_, capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
-    return Status::Ok();
-  }
-  Status mark_end(cudaStream_t stream, bool capturing) {
-    EPMOE_CUDA_RETURN(
-        cudaEventRecordWithFlags(done_event_, stream, capturing ? cudaEventRecordExternal : cudaEventRecordDefault));
-    has_last_ = true;
-    return Status::Ok();
-  }
-
   // Strict mode (LayerConfig::strict_routing, a debugging aid): copies this call's routing to the
   // host, checks it, and agrees with every rank before any launch, so every rank returns the error
   // (naming the rank and the slot) and none launches. Synchronizes `stream`.
-  Status check_routing_strict(const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream, bool capturing) {
+  // `capturing`: whether `stream` is capturing a graph (forward asks once per call).
+  Status check_routing_strict(const void* topk_idx, IndexType idx_type, int64_t num_tokens, cudaStream_t stream,
+                              bool capturing) {
     Status mine;
     if (capturing) {
       mine = invalid("forward: strict_routing copies the routing to the host and synchronizes, which a stream "
                      "capture does not allow; create the layer without strict_routing to capture it");
     } else {
-      routing_host_.resize(size_t(num_tokens) * cfg_.topk);
+      const size_t idx_bytes = idx_type == IndexType::kInt64 ? 8 : 4;
+      routing_host_.resize(size_t(num_tokens) * cfg_.topk * (idx_bytes / 4));
       if (num_tokens > 0)
-        mine = detail::cuda_status(cudaMemcpyAsync(routing_host_.data(), topk_idx, routing_host_.size() * sizeof(int32_t),
-                                                   cudaMemcpyDeviceToHost, stream),
+        mine = detail::cuda_status(cudaMemcpyAsync(routing_host_.data(), topk_idx,
+                                                   size_t(num_tokens) * cfg_.topk * idx_bytes, cudaMemcpyDeviceToHost,
+                                                   stream),
                                    "cudaMemcpyAsync(topk_idx)", __FILE__, __LINE__);
       if (mine.ok())
         mine = detail::cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
       if (mine.ok()) {
-        const Status checked = validate_routing_host(cfg_, num_tokens, routing_host_.data());
+        const Status checked =
+            idx_type == IndexType::kInt64
+                ? validate_routing_host(cfg_, num_tokens, reinterpret_cast<const int64_t*>(routing_host_.data()))
+                : validate_routing_host(cfg_, num_tokens, routing_host_.data());
         if (!checked.ok()) mine = Status(checked.code(), "rank " + std::to_string(comm_->rank()) + ": " + checked.message());
       }
     }
@@ -348,7 +415,11 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   const LayerConfig& config() const override { return cfg_; }
 
   // detail::LayerInternals: for the benchmark and tests.
-  void set_stage_timing(bool on) override { timing_ = on; }
+  void set_stage_timing(bool on) override {
+    timing_ = on;
+    // The megakernel's phase stamps, allocated only for the benchmark's timed calls.
+    if (on && !phase_ts_.ptr) timing_error_ = phase_ts_.alloc(sizeof(unsigned long long) * fused::kFusedPhaseCount);
+  }
   Status stage_times_ms(float out[4]) override {
     if (!timing_) return invalid("stage_times_ms: call set_stage_timing(true) before forward");
     EPMOE_RETURN_IF_ERROR(timing_error_);
@@ -393,15 +464,21 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   std::unique_ptr<Communicator> comm_;  // a share of the caller's: it lives as long as this layer
+  std::shared_ptr<detail::WorkspaceState> ws_;  // a share of the workspace's buffers
   LayerConfig cfg_;
   std::unique_ptr<DispatchHandle> dispatch_;
-  DeviceBuffer w1_, w2_, w1_scale_, w2_scale_;
+  bool by_reference_ = false;
+  ExpertWeightRefs refs_;
+  DeviceBuffer w1_, w2_, w1_scale_, w2_scale_;  // copied weights (not by reference)
+  // What the GEMM plans read: the caller's weights or the copies.
+  const void* w1_ptr_ = nullptr;
+  const float* w1_scale_ptr_ = nullptr;
+  const void* w2_ptr_ = nullptr;
+  const float* w2_scale_ptr_ = nullptr;
   bool weights_loaded_ = false;
   bool timing_ = false;
   Status timing_error_;  // first failed stage-event record of the last forward call
   cudaEvent_t stage_events_[5] = {};
-  cudaEvent_t done_event_ = nullptr;   // recorded at the end of every forward (serialize)
-  bool has_last_ = false;
   std::vector<int32_t> routing_host_;  // strict mode's host copy of the routing
   DeviceBuffer phase_ts_;           // the megakernel's phase stamps (stage timing of Path::kFused)
   Path last_path_ = Path::kPipeline;
@@ -473,10 +550,46 @@ Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_
   if (local.ok()) local = gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate);
   EPMOE_RETURN_IF_ERROR(detail::agree_on_status(comm, local, "MoELayer::create (the configuration checks)",
                                                 local.ok() ? cfg.timeout_seconds : LayerConfig{}.timeout_seconds));
-  auto layer = std::make_unique<PipelineLayer>(comm, cfg);
+  // A private workspace of exactly this layer's size; the layer keeps the only share.
+  std::unique_ptr<Workspace> ws;
+  EPMOE_RETURN_IF_ERROR(Workspace::create(comm, workspace_config_for(cfg), &ws));
+  return create(*ws, cfg, out);
+}
+
+Status MoELayer::create(Workspace& workspace, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out,
+                        const ExpertWeightRefs* weights) {
+  if (workspace.closed())
+    return invalid("MoELayer::create: the workspace was closed (Workspace::close released its buffers); create the "
+                   "layer on an open workspace");
+  const std::shared_ptr<detail::WorkspaceState>& state = detail::WorkspaceAccess::state(workspace);
+  EPMOE_CUDA_RETURN(cudaSetDevice(state->comm->device()));
+  // Agreed for the same reason as above: a layer that fits the workspace on some ranks only must
+  // fail on every rank at once, not leave the others waiting in their first collective.
+  Status local = out ? check_fits(workspace.config(), cfg) : invalid("MoELayer::create: out is null");
+  if (local.ok()) local = gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate);
+  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*state->comm, local, "MoELayer::create (the workspace fit checks)",
+                                                local.ok() ? cfg.timeout_seconds : LayerConfig{}.timeout_seconds));
+  auto layer = std::make_unique<PipelineLayer>(state, cfg, weights);
   EPMOE_RETURN_IF_ERROR(layer->init());
   *out = std::move(layer);
   return Status::Ok();
+}
+
+W13Bytes w13_transform_bytes(DType dtype, int experts_per_rank, int intermediate, int hidden) {
+  W13Bytes b;
+  const bool fp8 = dtype == DType::kFP8;
+  b.weight = int64_t(experts_per_rank) * 2 * intermediate * hidden * (fp8 ? 1 : 2);
+  b.scale = fp8 ? int64_t(experts_per_rank) * (2 * intermediate / 128) * (hidden / 128) * 4 : 0;
+  return b;
+}
+
+Status transform_w13(DType dtype, const void* w13, const float* w13_scale, void* out, float* out_scale,
+                     int experts_per_rank, int intermediate, int hidden, cudaStream_t stream) {
+  if (dtype != DType::kFP8 && dtype != DType::kBF16) return invalid("transform_w13: dtype=", int(dtype), " is unknown");
+  if (experts_per_rank < 1 || experts_per_rank > Limits::kMaxExpertsPerRank)
+    return invalid("transform_w13: experts_per_rank=", experts_per_rank, " must be in [1, ", Limits::kMaxExpertsPerRank,
+                   "]");
+  return gemm::prepare_w1(dtype, w13, w13_scale, out, out_scale, experts_per_rank, intermediate, hidden, stream);
 }
 
 namespace detail {

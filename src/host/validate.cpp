@@ -44,6 +44,13 @@ Status validate(const LayerConfig& c) {
 
 Status validate_call(const LayerConfig& c, int64_t num_tokens, const void* x, const void* topk_idx,
                      const void* topk_weights, const void* y) {
+  return validate_call(c, num_tokens, x, topk_idx, IndexType::kInt32, topk_weights, y);
+}
+
+Status validate_call(const LayerConfig& c, int64_t num_tokens, const void* x, const void* topk_idx,
+                     IndexType idx_type, const void* topk_weights, const void* y) {
+  if (idx_type != IndexType::kInt32 && idx_type != IndexType::kInt64)
+    return invalid("topk_idx type=", int(idx_type), " must be int32 or int64");
   if (num_tokens < 0 || num_tokens > c.max_tokens_per_rank)
     return invalid("num_tokens=", num_tokens, " must be in [0, max_tokens_per_rank=",
                    c.max_tokens_per_rank, "]");
@@ -56,23 +63,36 @@ Status validate_call(const LayerConfig& c, int64_t num_tokens, const void* x, co
     auto misaligned = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) != 0; };
     if (misaligned(x, 16)) return invalid("x=", x, " must be 16-byte aligned");
     if (misaligned(y, 16)) return invalid("y=", y, " must be 16-byte aligned");
-    if (misaligned(topk_idx, 4)) return invalid("topk_idx=", topk_idx, " must be 4-byte aligned");
+    const int idx_bytes = idx_type == IndexType::kInt64 ? 8 : 4;
+    if (misaligned(topk_idx, idx_bytes))
+      return invalid("topk_idx=", topk_idx, " must be ", idx_bytes, "-byte aligned (", idx_bytes == 8 ? "int64" : "int32",
+                     ")");
     if (misaligned(topk_weights, 4)) return invalid("topk_weights=", topk_weights, " must be 4-byte aligned");
   }
   return Status::Ok();
 }
 
-Status validate_routing_host(const LayerConfig& c, int64_t num_tokens, const int32_t* topk_idx) {
+namespace {
+template <typename Index>
+Status check_routing(const LayerConfig& c, int64_t num_tokens, const Index* topk_idx) {
   if (num_tokens > 0 && !topk_idx) return invalid("topk_idx is null with num_tokens=", num_tokens);
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int k = 0; k < c.topk; ++k) {
-      int32_t e = topk_idx[t * c.topk + k];
+      const int64_t e = topk_idx[t * c.topk + k];
       if (e < -1 || e >= c.num_experts)
         return invalid("topk_idx[", t, "][", k, "]=", e, " must be in [0, num_experts=",
                        c.num_experts, ") or -1 for an unused slot");
     }
   }
   return Status::Ok();
+}
+}  // namespace
+
+Status validate_routing_host(const LayerConfig& c, int64_t num_tokens, const int32_t* topk_idx) {
+  return check_routing(c, num_tokens, topk_idx);
+}
+Status validate_routing_host(const LayerConfig& c, int64_t num_tokens, const int64_t* topk_idx) {
+  return check_routing(c, num_tokens, topk_idx);
 }
 
 }  // namespace epmoe

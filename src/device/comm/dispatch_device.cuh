@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include "device/comm/dispatch_params.h"
 #include "device/comm/status_bits.h"
 #include "device/debug/diag_trace.cuh"
@@ -44,7 +46,15 @@ __device__ __forceinline__ RoutingSlot load_routing(const DispatchParams& p, int
   const int K = p.shape.topk, lane = threadIdx.x & 31;
   RoutingSlot r;
   if (lane < K) {
-    r.expert = p.topk_idx[int64_t(t) * K + lane];
+    const int64_t i = int64_t(t) * K + lane;
+    if (p.topk_idx_bytes == 8) {
+      // Why saturate: an int64 index outside int32 must stay out of range (never wrap into
+      // [0, E)), so stage_routing masks and reports it.
+      const long long v = static_cast<const long long*>(p.topk_idx)[i];
+      r.expert = v < INT_MIN ? INT_MIN : v > INT_MAX ? INT_MAX : int(v);
+    } else {
+      r.expert = static_cast<const int32_t*>(p.topk_idx)[i];
+    }
     r.weight = p.topk_w[int64_t(t) * K + lane];
   }
   return r;

@@ -35,7 +35,8 @@ struct DispatchParams {
   layout::CommShape shape;
   int rank;
   const uint16_t* x;         // [T][H] bf16
-  const int32_t* topk_idx;   // [T][K]
+  const void* topk_idx;      // [T][K] int32 or int64 (topk_idx_bytes)
+  int topk_idx_bytes;        // 4 or 8
   const float* topk_w;       // [T][K]
   int num_tokens;            // T of this rank
   char* pool;                // laid out by pool_layout

@@ -12,6 +12,21 @@ namespace epmoe::layout {
 
 inline constexpr int kCommMaxRanks = 8;
 
+// What the buffers hold room for when several shapes share them (a Workspace: layers of different
+// E, H, K and dtype run one after another on the same symmetric and local buffers). Every region
+// is sized, and every offset computed, from the larger of these and the shape's own needs, so each
+// region sits at the same place for every layer: the flag protocol that orders two calls of one
+// layer then orders two calls of different layers too (docs/ARCHITECTURE.md, "One workspace, many
+// layers"). Strides inside a region follow the shape's own fields. All zero: the shape's own.
+struct CommCapacity {
+  int experts_per_rank;  // E_loc
+  int hidden;            // H
+  int topk;              // K
+  int x_row_bytes;       // bytes of one staged token row (H x 1 for FP8, H x 2 for BF16)
+  int scale_groups;      // FP8 scales per staged token (H / 128), 0 when only BF16 layers fit
+  int partial_bytes;     // bytes of one combine partial element (4 or 2)
+};
+
 struct CommShape {
   int num_ranks;      // R
   int num_experts;    // E (global)
@@ -20,10 +35,22 @@ struct CommShape {
   int max_tokens;     // T_max per rank
   bool fp8;           // dispatch sends e4m3 + 1x128 scales, else bf16
   int partial_bytes;  // combine sends fp32 (4) or bf16 (2) partial sums per (token, expert rank)
+  CommCapacity cap = {};  // the shared buffers' room (zero: this shape's own)
 
   EPMOE_HD int experts_per_rank() const { return num_experts / num_ranks; }
   EPMOE_HD int scale_groups() const { return hidden / kScaleGroup; }
   EPMOE_HD int64_t x_row_bytes() const { return int64_t(hidden) * (fp8 ? 1 : 2); }
+
+  // Sizes the regions are laid out for: max(own, cap). Only region sizes and offsets use them.
+  EPMOE_HD int room_experts_per_rank() const { return imax(experts_per_rank(), cap.experts_per_rank); }
+  EPMOE_HD int room_hidden() const { return imax(hidden, cap.hidden); }
+  EPMOE_HD int room_topk() const { return imax(topk, cap.topk); }
+  EPMOE_HD int64_t room_x_row_bytes() const { return x_row_bytes() > cap.x_row_bytes ? x_row_bytes() : cap.x_row_bytes; }
+  EPMOE_HD int room_scale_groups() const { return imax(fp8 ? scale_groups() : 0, cap.scale_groups); }
+  EPMOE_HD int room_partial_bytes() const { return imax(partial_bytes, cap.partial_bytes); }
+
+ private:
+  EPMOE_HD static int imax(int a, int b) { return a > b ? a : b; }
 };
 
 // What a source rank stages for each (token, slot): the sanitized expert (-1 = masked or invalid),
@@ -53,13 +80,16 @@ struct CommSymLayout {
   EPMOE_HD int64_t flags_bytes() const { return int64_t(kNumFlags) * kCommMaxRanks * 8; }
   // [R][E_loc + 1] int32 on each dest: counts of source s per local expert, then T_s.
   EPMOE_HD int64_t counts_stride() const { return s.experts_per_rank() + 1; }
-  EPMOE_HD int64_t counts_bytes() const { return int64_t(s.num_ranks) * counts_stride() * 4; }
-  EPMOE_HD int64_t stage_x_bytes() const { return int64_t(s.max_tokens) * s.x_row_bytes(); }
-  EPMOE_HD int64_t stage_scale_bytes() const { return s.fp8 ? int64_t(s.max_tokens) * s.scale_groups() * 4 : 0; }
-  EPMOE_HD int64_t stage_meta_bytes() const { return int64_t(s.max_tokens) * s.topk * int64_t(sizeof(SlotMeta)); }
+  // Region sizes follow the shape's room (CommShape::room_*), strides its own fields.
+  EPMOE_HD int64_t counts_bytes() const { return int64_t(s.num_ranks) * (s.room_experts_per_rank() + 1) * 4; }
+  EPMOE_HD int64_t stage_x_bytes() const { return int64_t(s.max_tokens) * s.room_x_row_bytes(); }
+  EPMOE_HD int64_t stage_scale_bytes() const { return int64_t(s.max_tokens) * s.room_scale_groups() * 4; }
+  EPMOE_HD int64_t stage_meta_bytes() const { return int64_t(s.max_tokens) * s.room_topk() * int64_t(sizeof(SlotMeta)); }
   // [R][T_max][H] partial sums, on the source rank, indexed by the expert rank that computed them.
   EPMOE_HD int64_t partial_row_bytes() const { return int64_t(s.hidden) * s.partial_bytes; }
-  EPMOE_HD int64_t partials_bytes() const { return int64_t(s.num_ranks) * s.max_tokens * partial_row_bytes(); }
+  EPMOE_HD int64_t partials_bytes() const {
+    return int64_t(s.num_ranks) * s.max_tokens * s.room_hidden() * s.room_partial_bytes();
+  }
 
   EPMOE_HD int64_t counts_offset() const { return next(0, flags_bytes()); }
   EPMOE_HD int64_t stage_x_offset() const { return next(counts_offset(), counts_bytes()); }
@@ -98,10 +128,10 @@ struct CommLocalLayout {
   EPMOE_HD int64_t control_bytes() const { return 64; }
 
   // [E] int32: per global expert, rows this rank sends there in the current call (atomic cursor).
-  EPMOE_HD int64_t cursor_bytes() const { return int64_t(s.num_experts) * 4; }
+  EPMOE_HD int64_t cursor_bytes() const { return int64_t(s.num_ranks) * s.room_experts_per_rank() * 4; }
   // [R][T_max][K] int32: for source s's token t, slot k, the local pool row or -1 (what combine reads).
   // One entry per slot, so a token may own up to K rows here, several of them in one expert.
-  EPMOE_HD int64_t token_rows_bytes() const { return int64_t(s.num_ranks) * s.max_tokens * s.topk * 4; }
+  EPMOE_HD int64_t token_rows_bytes() const { return int64_t(s.num_ranks) * s.max_tokens * s.room_topk() * 4; }
   // [R] int32: T_s of the last dispatch, per source.
   EPMOE_HD int64_t recv_tokens_bytes() const { return int64_t(s.num_ranks) * 4; }
 
@@ -110,8 +140,8 @@ struct CommLocalLayout {
   // Sized for the layer's pool (row_align 128): max_rows / 128 of ExpertPoolLayout.
   static constexpr int kReadyBlockRows = 128;
   EPMOE_HD int64_t mblock_ready_count() const {
-    const int64_t rows = int64_t(s.num_ranks) * s.max_tokens * s.topk +
-                         int64_t(s.experts_per_rank()) * (kReadyBlockRows - 1);
+    const int64_t rows = int64_t(s.num_ranks) * s.max_tokens * s.room_topk() +
+                         int64_t(s.room_experts_per_rank()) * (kReadyBlockRows - 1);
     return (rows + kReadyBlockRows - 1) / kReadyBlockRows;
   }
   EPMOE_HD int64_t mblock_ready_bytes() const { return mblock_ready_count() * 4; }
