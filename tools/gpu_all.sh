@@ -257,12 +257,12 @@ if [ "$mode" = validate ]; then
   done
   [ -n "$whl" ] && EPMOE_GPU_TEST=python/tests/gpu_test_torch.py step "torch_op_r$R" 240 \
     bash python/tests/gpu_run.sh --wheel "$whl" "$R"
-  EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
+  EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 300 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*:CollectiveChecks.*'
   EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
   EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
     --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
   EPMOE_TEST_RANKS=$R step "ranks${R}_workspace" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerWorkspace.*'
-  [ "$R" -gt 2 ] && EPMOE_TEST_RANKS=2 step ranks2_faults 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
+  [ "$R" -gt 2 ] && EPMOE_TEST_RANKS=2 step ranks2_faults 300 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*:CollectiveChecks.*'
   [ -n "$whl" ] && step "python_r$R" 240 bash python/tests/gpu_run.sh --wheel "$whl" "$R"
   finish
 fi
@@ -275,8 +275,8 @@ if [ "$mode" = layer-peer ]; then
     EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
     EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
       --gtest_filter='DispatchCombine.Fp8AllRoutings:DispatchCombine.Bf16PartialsAllRoutings'
-    EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
-    [ "$R" -gt 2 ] && EPMOE_TEST_RANKS=2 step ranks2_faults 200 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*'
+    EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 300 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*:CollectiveChecks.*'
+    [ "$R" -gt 2 ] && EPMOE_TEST_RANKS=2 step ranks2_faults 300 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*:CollectiveChecks.*'
   fi
   tokens=${EPMOE_PEER_TOKENS:-1,128,1024,4096,8192}
   step "layer_peer_r${R}" 200 torchrun --standalone --nproc-per-node "$R" .gpu/peers/megamoe_layer.py --shape dsv3 --tokens "$tokens"

@@ -8,6 +8,12 @@
 //  - Handles are opaque. Streams are cudaStream_t values passed as `void*` (NULL is the legacy
 //    default stream). Device pointers are plain `void*`.
 //  - No function throws; a C++ exception inside becomes EPMOE_INTERNAL with its what().
+//  - Collective functions (comm create and wrap, layer and dispatch create and destroy) never
+//    return early on one rank while its peers wait: every check of their arguments that one rank
+//    can fail alone goes through a cross-rank agreement, and every rank returns an error naming
+//    the failing ranks and causes. Only a rank that cannot take part at all (no communicator, no
+//    valid rank, size, unique id or device) fails alone; its peers then fail with EPMOE_TIMEOUT
+//    after their bound. docs/ARCHITECTURE.md ("Process model and errors") has the whole picture.
 #pragma once
 
 #include <stddef.h>
@@ -161,10 +167,15 @@ EPMOE_C_EXPORT int epmoe_validate_routing_host(const epmoe_layer_config* cfg, in
 EPMOE_C_EXPORT int epmoe_get_unique_id(uint8_t* out);
 /// Collective over `size` ranks: makes `device` current and creates an NCCL communicator from the
 /// shared unique id. The returned communicator owns it and destroys it in epmoe_comm_destroy.
+/// Bounded: a rank that does not join the NCCL init within 60 s makes the others fail with
+/// EPMOE_TIMEOUT. A NULL unique_id, or a rank, size or device out of range, fails on that rank at
+/// once (it cannot join); a NULL `out` or an old libnccl fails every rank, naming the rank.
 EPMOE_C_EXPORT int epmoe_comm_create(const uint8_t* unique_id, int rank, int size, int device,
                                      epmoe_comm** out);
-/// Wraps an existing ncclComm_t (passed as an integer). The caller keeps ownership and keeps it
-/// alive until epmoe_comm_destroy and every layer made from it are gone.
+/// Collective: wraps an existing ncclComm_t (passed as an integer). The caller keeps ownership and
+/// keeps it alive until epmoe_comm_destroy and every layer made from it are gone. A NULL `out` on
+/// any rank fails every rank, naming it; a NULL nccl_comm fails on its rank alone. Each exchange
+/// is bounded by 60 s.
 EPMOE_C_EXPORT int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out);
 /// Rank, size and CUDA device of a communicator (any output may be NULL).
 EPMOE_C_EXPORT int epmoe_comm_info(const epmoe_comm* comm, int* rank, int* size, int* device);
@@ -176,8 +187,10 @@ EPMOE_C_EXPORT int epmoe_comm_destroy(epmoe_comm* comm);
 
 // ---- layer --------------------------------------------------------------------------------------
 
-/// Collective: epmoe::MoELayer::create. If any rank fails, every rank fails with a message naming the
-/// failing ranks and causes. `comm` cannot be destroyed while the layer lives.
+/// Collective: epmoe::MoELayer::create. If any rank fails (a field of `cfg`, `reserved`, a NULL
+/// `cfg` or `out`, an allocation), every rank fails with a message naming the failing ranks and
+/// causes; only a NULL `comm` fails on its rank alone. `comm` cannot be destroyed while the layer
+/// lives.
 EPMOE_C_EXPORT int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg,
                                       epmoe_layer** out);
 /// The configuration the layer was created with (num_ranks filled in).
@@ -197,8 +210,12 @@ EPMOE_C_EXPORT int epmoe_layer_forward(epmoe_layer* layer, const void* x, const 
                                        void* stream, int path);
 /// MoELayer::check_device_error: synchronizes `stream`, reports an error the device recorded.
 EPMOE_C_EXPORT int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream);
-/// Frees the layer. Collective (a bounded barrier over every rank when it holds the last share of
-/// its workspace's buffers). NULL is a no-op.
+/// Frees the layer. Collective when it holds the last share of its workspace's buffers: an
+/// agreement over every rank (bounded by the layer's timeout_seconds) before the symmetric memory
+/// is released. Returns EPMOE_OK once the layer is gone, also when that agreement failed: then the
+/// memory stays with the communicator, and a timeout (a peer that never destroyed its layer) leaves
+/// the communicator unusable, which every later collective call on it reports with the cause. NULL
+/// is a no-op.
 EPMOE_C_EXPORT int epmoe_layer_destroy(epmoe_layer* layer);
 
 /// MoELayer::forward with int32 or int64 routing (idx_type: EPMOE_INDEX_*) and the optional expert
@@ -251,8 +268,8 @@ EPMOE_C_EXPORT int epmoe_transform_w13(int dtype, const void* w13, const float* 
 
 // ---- standalone dispatch / combine ---------------------------------------------------------------
 
-/// Collective: epmoe::DispatchHandle::create (the handle allocates its own pool). `comm` cannot be
-/// destroyed while the handle lives.
+/// Collective: epmoe::DispatchHandle::create (the handle allocates its own pool). Its checks are
+/// agreed as in epmoe_layer_create. `comm` cannot be destroyed while the handle lives.
 EPMOE_C_EXPORT int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg,
                                          epmoe_dispatch** out);
 /// The pool's regions (device pointers, valid while the handle lives).
@@ -264,7 +281,7 @@ EPMOE_C_EXPORT int epmoe_dispatch_run(epmoe_dispatch* handle, const void* x, con
 EPMOE_C_EXPORT int epmoe_combine_run(epmoe_dispatch* handle, void* y, int64_t num_tokens, void* stream);
 /// DispatchHandle::check_errors: synchronizes `stream`, reports and clears recorded errors.
 EPMOE_C_EXPORT int epmoe_dispatch_check_errors(epmoe_dispatch* handle, void* stream);
-/// Frees the handle. Collective (a bounded barrier over every rank). NULL is a no-op.
+/// Frees the handle. Collective, as epmoe_layer_destroy. NULL is a no-op.
 EPMOE_C_EXPORT int epmoe_dispatch_destroy(epmoe_dispatch* handle);
 
 #ifdef __cplusplus

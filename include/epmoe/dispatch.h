@@ -60,9 +60,10 @@ class DispatchHandle {
   /// Collective over `comm`: every rank must pass the same `cfg` (checked; every rank fails with a
   /// message naming the differing field and ranks). `external_pool` (optional) must hold
   /// pool_bytes_for(comm, cfg) bytes of 256-byte aligned device memory; otherwise the handle
-  /// allocates its own pool. If any rank fails, every rank fails with the failing ranks and causes;
-  /// every exchange is bounded by cfg.timeout_seconds. The handle's destructor is collective too (it
-  /// frees symmetric memory with a bounded barrier): destroy it on every rank. The handle holds a
+  /// allocates its own pool. If any rank fails (an invalid config, a null `out`, an allocation),
+  /// every rank fails with the failing ranks and causes; every exchange is bounded by
+  /// cfg.timeout_seconds. The handle's destructor is collective too (it agrees with every rank,
+  /// bounded, before it frees the symmetric memory): destroy it on every rank. The handle holds a
   /// share of the communicator's state, so the Communicator object may go first.
   static Status create(Communicator& comm, const DispatchConfig& cfg, std::unique_ptr<DispatchHandle>* out,
                        void* external_pool = nullptr);

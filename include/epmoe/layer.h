@@ -88,11 +88,11 @@ class MoELayer {
  public:
   /// Validates `cfg` (see validate()) against the communicator's rank count and allocates every
   /// buffer a forward call needs, sized from cfg.max_tokens_per_rank. Collective: every rank
-  /// calls it with the same cfg. If any rank fails (a bad config, out of memory, a GEMM plan),
-  /// every rank returns an error naming the failing ranks and their causes, and frees what it
-  /// allocated; a rank that does not arrive within cfg.timeout_seconds makes the others return
-  /// kTimeout (the communicator is then unusable). The layer keeps a share of the communicator's
-  /// state, so it stays valid even if `comm` is destroyed first.
+  /// calls it with the same cfg. If any rank fails (a bad config, a null `out`, out of memory, a
+  /// GEMM plan), every rank returns an error naming the failing ranks and their causes, and frees
+  /// what it allocated; a rank that does not arrive within cfg.timeout_seconds makes the others
+  /// return kTimeout (the communicator is then unusable). The layer keeps a share of the
+  /// communicator's state, so it stays valid even if `comm` is destroyed first.
   static Status create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out);
 
   /// A layer on a shared workspace: checks that cfg fits it (check_fits: the message names the
@@ -103,9 +103,11 @@ class MoELayer {
   static Status create(Workspace& workspace, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out,
                        const ExpertWeightRefs* weights = nullptr);
 
-  /// Collective: frees the symmetric memory with a barrier over every rank (bounded by
-  /// timeout_seconds; a rank that never destroys its layer makes the others log the timeout and
-  /// leak the memory, and leaves the communicator unusable).
+  /// Collective when it holds the last share of its workspace's buffers: agrees with every rank
+  /// (bounded by timeout_seconds) before it frees the symmetric memory. A rank whose peers never
+  /// destroy their layers logs the timeout to stderr, leaks the memory, and leaves the communicator
+  /// unusable: its next collective call returns that cause. After a device wait of this layer
+  /// timed out (the context is lost) it frees nothing and returns at once.
   virtual ~MoELayer() = default;
 
   /// Copies and transforms this rank's local experts into the kernels' layout (layers created

@@ -118,7 +118,9 @@ class Layer:
     Collective: every rank of the group creates it with the same arguments, every rank calls it
     (with its own token count, possibly 0) the same number of times, and every rank closes it (or
     lets it be collected). If creation fails on any rank, it raises on every rank with the failing
-    ranks and causes. Calls from several streams are serialized (each waits for the previous one).
+    ranks and causes (only an argument of the wrong Python type, or a timeout_seconds <= 0, raises
+    on its rank alone, before the collective). Calls from several streams are serialized (each
+    waits for the previous one).
 
     Args:
         group_or_comm: an :class:`epmoe.Communicator`, a torch.distributed process group (None:
@@ -171,10 +173,13 @@ class Layer:
             if group_or_comm is not None and group_or_comm is not comm:
                 raise InvalidArgument("group_or_comm must be None or the workspace's communicator: a "
                                       "layer runs on the communicator of its workspace")
+        # Why not validate() here: the library's create runs the same checks and agrees on them
+        # across ranks, so a value wrong on one rank fails every rank at once, naming it; raising
+        # here would leave the other ranks waiting in the create until their timeout.
         self.config = LayerConfig(comm.size, num_experts, hidden, intermediate, topk,
                                   max_tokens_per_rank, dtype, activation_clamp,
                                   pow2_scales, combine_partials, timeout_seconds,
-                                  strict_routing).validate()
+                                  strict_routing)
         c = self.config.to_c()
         handle = ctypes.c_void_p()
         kept = None

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <new>
 #include <string>
 
 #include "epmoe/comm.h"
@@ -20,6 +21,9 @@
 #include "epmoe/version.h"
 #include "host/c_api_handles.h"
 #include "host/check.h"
+#include "host/comm_internal.h"
+#include "host/dispatch_internal.h"
+#include "host/layer_impl.h"
 
 // The Python package mirrors the struct field by field (python/epmoe/_lib.py checks this size).
 static_assert(sizeof(epmoe_layer_config) == 56, "epmoe_layer_config changed: bump EPMOE_C_API_VERSION and _lib.py");
@@ -183,8 +187,9 @@ Status check_layer(const epmoe_layer* layer) {
   return Status::Ok();
 }
 
-Status fill_comm(std::unique_ptr<epmoe::Communicator> c, epmoe_comm** out) {
-  auto wrapper = std::make_unique<epmoe_comm>();
+// Fills the wrapper (allocated before the collective create, so that nothing can fail on one
+// rank after every rank created its communicator).
+Status fill_comm(std::unique_ptr<epmoe::Communicator> c, std::unique_ptr<epmoe_comm> wrapper, epmoe_comm** out) {
   wrapper->rank = c->rank();
   wrapper->size = c->size();
   wrapper->device = c->device();
@@ -349,38 +354,45 @@ int epmoe_get_unique_id(uint8_t* out) {
 
 int epmoe_comm_create(const uint8_t* unique_id, int rank, int size, int device, epmoe_comm** out) {
   return guarded([&]() -> Status {
-    if (!out) return invalid("out is null");
-    *out = nullptr;
+    if (out) *out = nullptr;
+    // Without these this rank cannot join the NCCL init: it fails alone, and its peers' init ends
+    // with EPMOE_TIMEOUT after their bound.
     if (!unique_id) return invalid("unique_id is null");
     if (size < 1 || size > epmoe::kMaxCommRanks)
       return invalid("size=", size, " must be in [1, ", epmoe::kMaxCommRanks, "]");
     if (rank < 0 || rank >= size) return invalid("rank=", rank, " must be in [0, size=", size, ")");
-    EPMOE_RETURN_IF_ERROR(epmoe::check_nccl_runtime_version());
     EPMOE_RETURN_IF_ERROR(check_device_index(device));
     ncclUniqueId id;
     std::memcpy(&id, unique_id, sizeof(id));
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(device));
+    // Everything else is agreed with every rank inside the create.
+    std::unique_ptr<epmoe_comm> wrapper(new (std::nothrow) epmoe_comm());
+    Status local = out ? Status::Ok() : invalid("out is null");
+    if (local.ok() && !wrapper) local = Status(StatusCode::kInternal, "out of host memory for the epmoe_comm wrapper");
     std::unique_ptr<epmoe::Communicator> c;
-    EPMOE_RETURN_IF_ERROR(epmoe::Communicator::create(id, rank, size, &c));
-    return fill_comm(std::move(c), out);
+    EPMOE_RETURN_IF_ERROR(
+        epmoe::detail::CommAccess::create(id, rank, size, local, epmoe::kDefaultHostTimeoutSeconds, &c));
+    return fill_comm(std::move(c), std::move(wrapper), out);
   });
 }
 
 int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out) {
   return guarded([&]() -> Status {
-    if (!out) return invalid("out is null");
-    *out = nullptr;
+    if (out) *out = nullptr;
+    // Without a communicator (and its device) this rank cannot take part: it fails alone.
     if (nccl_comm == 0) return invalid("nccl_comm is null");
-    EPMOE_RETURN_IF_ERROR(epmoe::check_nccl_runtime_version());
     auto comm = reinterpret_cast<ncclComm_t>(nccl_comm);
     int device = -1;
     EPMOE_NCCL_RETURN(ncclCommCuDevice(comm, &device));
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(device));
+    std::unique_ptr<epmoe_comm> wrapper(new (std::nothrow) epmoe_comm());
+    Status local = out ? Status::Ok() : invalid("out is null");
+    if (local.ok() && !wrapper) local = Status(StatusCode::kInternal, "out of host memory for the epmoe_comm wrapper");
     std::unique_ptr<epmoe::Communicator> c;
-    EPMOE_RETURN_IF_ERROR(epmoe::Communicator::wrap(comm, &c));
-    return fill_comm(std::move(c), out);
+    EPMOE_RETURN_IF_ERROR(epmoe::detail::CommAccess::wrap(comm, local, epmoe::kDefaultHostTimeoutSeconds, &c));
+    return fill_comm(std::move(c), std::move(wrapper), out);
   });
 }
 
@@ -419,20 +431,21 @@ int epmoe_comm_destroy(epmoe_comm* comm) {
 
 int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg, epmoe_layer** out) {
   return guarded([&]() -> Status {
-    if (!out) return invalid("out is null");
-    *out = nullptr;
+    if (out) *out = nullptr;
+    // Without a communicator (and its device) this rank cannot take part: it fails alone.
     if (!comm || !comm->comm) return invalid("comm is null");
-    epmoe::LayerConfig c;
-    EPMOE_RETURN_IF_ERROR(to_config(cfg, &c));
-    if (c.num_ranks == 0) c.num_ranks = comm->size;
-    if (c.num_ranks != comm->size)
-      return invalid("num_ranks=", c.num_ranks, " does not match the communicator's size=", comm->size);
-    EPMOE_RETURN_IF_ERROR(epmoe::validate(c));
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
+    // Every other check joins the create's first agreement: a rank that returned here alone would
+    // leave its peers waiting in it until their timeout.
+    std::unique_ptr<epmoe_layer> wrapper(new (std::nothrow) epmoe_layer());
+    Status local = out ? Status::Ok() : invalid("out is null");
+    epmoe::LayerConfig c;
+    if (local.ok()) local = to_config(cfg, &c);
+    if (local.ok() && c.num_ranks == 0) c.num_ranks = comm->size;
+    if (local.ok() && !wrapper) local = Status(StatusCode::kInternal, "out of host memory for the epmoe_layer wrapper");
     std::unique_ptr<epmoe::MoELayer> layer;
-    EPMOE_RETURN_IF_ERROR(epmoe::MoELayer::create(*comm->comm, c, &layer));
-    auto wrapper = std::make_unique<epmoe_layer>();
+    EPMOE_RETURN_IF_ERROR(epmoe::detail::create_layer(*comm->comm, c, local, &layer));
     wrapper->layer = layer.release();
     wrapper->comm = comm;
     wrapper->cfg = c;
@@ -646,17 +659,20 @@ int epmoe_layer_destroy(epmoe_layer* layer) {
 
 int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg, epmoe_dispatch** out) {
   return guarded([&]() -> Status {
-    if (!out) return invalid("out is null");
-    *out = nullptr;
+    if (out) *out = nullptr;
+    // Without a communicator (and its device) this rank cannot take part: it fails alone.
     if (!comm || !comm->comm) return invalid("comm is null");
-    epmoe::DispatchConfig c;
-    EPMOE_RETURN_IF_ERROR(to_dispatch_config(cfg, &c));
-    EPMOE_RETURN_IF_ERROR(epmoe::DispatchHandle::validate(*comm->comm, c));
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
+    // Every other check joins the create's first agreement (see epmoe_layer_create).
+    std::unique_ptr<epmoe_dispatch> wrapper(new (std::nothrow) epmoe_dispatch());
+    Status local = out ? Status::Ok() : invalid("out is null");
+    epmoe::DispatchConfig c;
+    if (local.ok()) local = to_dispatch_config(cfg, &c);
+    if (local.ok() && !wrapper)
+      local = Status(StatusCode::kInternal, "out of host memory for the epmoe_dispatch wrapper");
     std::unique_ptr<epmoe::DispatchHandle> handle;
-    EPMOE_RETURN_IF_ERROR(epmoe::DispatchHandle::create(*comm->comm, c, &handle));
-    auto wrapper = std::make_unique<epmoe_dispatch>();
+    EPMOE_RETURN_IF_ERROR(epmoe::detail::DispatchAccess::create(*comm->comm, c, local, &handle));
     wrapper->handle = handle.release();
     wrapper->comm = comm;
     *out = wrapper.release();

@@ -1,12 +1,15 @@
-// Communicator: NCCL setup, symmetric allocations, the init-time checks that catch NCCL's silent
-// fallbacks (plain cudaMalloc memory, registration without symmetric support), and the bounded
-// host-side collectives (comm_internal.h).
+// Communicator: NCCL setup (an init bounded by a timeout, then an agreement on every rank's checks
+// before the device communicator), the bounded host-side collectives (comm_internal.h), and the
+// shared state's lifetime. Symmetric memory is in comm_alloc.cpp.
 #include "epmoe/comm.h"
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -14,111 +17,115 @@
 
 #include "epmoe/version.h"
 #include "host/check.h"
+#include "host/comm_impl.h"
 #include "host/comm_internal.h"
 #include "host/comm_symmetric.h"
 
 namespace epmoe {
 
-struct Communicator::Impl {
-  ncclComm_t comm = nullptr;
-  bool owned = false;
-  int rank = 0, size = 0, device = 0, sms = 0;
-  cudaStream_t stream = nullptr;
-  int* scratch = nullptr;  // one word for barrier()
-  detail::DevCommInfo dev;
-  // Set when a bounded collective timed out or NCCL reported an asynchronous error: the NCCL
-  // communicator is aborted (owned) or blocked in a collective a peer never joined (borrowed).
-  // Every later collective fails at once with `broken_why`; nothing is freed on the device (a
-  // synchronization could wait forever, and peers may still touch the symmetric memory).
-  bool broken = false;
-  std::string broken_why;
-  struct Buffer {
-    void* ptr = nullptr;
-    ncclWindow_t win = nullptr;
-    SymmetricBuffer view;
-  };
-  std::vector<Buffer*> buffers;
-
-  ~Impl() {
-    if (broken) {
-      for (Buffer* b : buffers) delete b;
-      if (owned && comm) ncclCommDestroy(comm);
-      return;
-    }
-    if (stream) cudaStreamSynchronize(stream);
-    for (Buffer* b : buffers) {
-      if (b->win) ncclCommWindowDeregister(comm, b->win);
-      if (b->ptr) ncclMemFree(b->ptr);
+Communicator::Impl::~Impl() {
+  if (broken) {
+    for (Buffer* b : buffers) delete b;
+    if (owned && comm) ncclCommDestroy(comm);
+    return;
+  }
+  if (stream) cudaStreamSynchronize(stream);
+  // What free_symmetric (or a failed alloc_symmetric) did not release. Why log: a destructor
+  // returns nothing, and what fails here only leaks until the process ends.
+  while (!buffers.empty()) {
+    Buffer* b = buffers.back();
+    const Status st = release(b);
+    if (!st.ok()) {
+      std::fprintf(stderr, "[epmoe] ~Communicator on rank %d: releasing a symmetric buffer failed: %s\n", rank,
+                   st.to_string().c_str());
+      buffers.pop_back();
       delete b;
     }
-    detail::destroy_dev_comm(comm, &dev);
-    if (scratch) cudaFree(scratch);
-    if (stream) cudaStreamDestroy(stream);
-    if (owned && comm) ncclCommDestroy(comm);
   }
+  detail::destroy_dev_comm(comm, &dev);
+  if (scratch) cudaFree(scratch);
+  if (stream) cudaStreamDestroy(stream);
+  if (owned && comm) ncclCommDestroy(comm);
+}
 
-  Status check_usable(const char* what) const {
-    if (!broken) return Status::Ok();
-    return Status(StatusCode::kNcclError, std::string(what) + " on rank " + std::to_string(rank) +
-                                              ": the communicator is unusable: " + broken_why);
+Status Communicator::Impl::check_usable(const char* what) const {
+  if (!broken) return Status::Ok();
+  return Status(StatusCode::kNcclError, std::string(what) + " on rank " + std::to_string(rank) +
+                                            ": the communicator is unusable: " + broken_why);
+}
+
+Status Communicator::Impl::fail(StatusCode code, const std::string& why) {
+  broken = true;
+  std::string message = why;
+  if (owned && comm) {
+    const ncclResult_t r = ncclCommAbort(comm);
+    comm = nullptr;
+    message += r == ncclSuccess ? ". The NCCL communicator was aborted; create a new Communicator (and layers) "
+                                  "or end the process"
+                                : std::string(". ncclCommAbort failed too: ") + ncclGetErrorString(r);
+  } else {
+    message += ". The caller's NCCL communicator may be blocked in that collective: abort it (ncclCommAbort) "
+               "or end the process";
   }
+  broken_why = message;
+  return Status(code, message);
+}
 
-  // Marks the communicator unusable after `why`; aborts the NCCL communicator if epmoe owns it
-  // (its kernels stuck in the collective then exit).
-  Status fail(StatusCode code, const std::string& why) {
-    broken = true;
-    broken_why = why;
-    std::string message = why;
-    if (owned && comm) {
-      const ncclResult_t r = ncclCommAbort(comm);
-      comm = nullptr;
-      message += r == ncclSuccess ? ". The NCCL communicator was aborted; create a new Communicator (and layers) "
-                                    "or end the process"
-                                  : std::string(". ncclCommAbort failed too: ") + ncclGetErrorString(r);
-    } else {
-      message += ". The caller's NCCL communicator may be blocked in that collective: abort it (ncclCommAbort) "
-                 "or end the process";
+Status Communicator::Impl::wait_collective(cudaStream_t s, const char* what, double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration<double>(timeout_s);
+  for (int i = 0;; ++i) {
+    const cudaError_t q = cudaStreamQuery(s);
+    if (q == cudaSuccess) return Status::Ok();
+    if (q != cudaErrorNotReady)
+      return detail::cuda_status(q, (std::string(what) + ": cudaStreamQuery").c_str(), __FILE__, __LINE__);
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
+    if (r != ncclSuccess) return detail::nccl_status(r, "ncclCommGetAsyncError", __FILE__, __LINE__);
+    if (async != ncclSuccess && async != ncclInProgress)
+      return fail(StatusCode::kNcclError, std::string("rank ") + std::to_string(rank) + ": " + what +
+                                              ": NCCL reported an asynchronous error: " + ncclGetErrorString(async));
+    if (clock::now() > deadline) {
+      std::ostringstream os;
+      os << "rank " << rank << ": " << what << " did not complete within timeout_seconds=" << timeout_s
+         << ": at least one of the " << size << " ranks did not reach it (it failed earlier, crashed, exited, "
+         << "or is not making the same collective call)";
+      return fail(StatusCode::kTimeout, os.str());
     }
-    broken_why = message;
-    return Status(code, message);
+    if (i < 100)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
   }
+}
 
-  // Waits (polling) until `stream`, which holds an NCCL collective, is done: at most timeout_s.
-  Status wait_collective(cudaStream_t s, const char* what, double timeout_s) {
-    using clock = std::chrono::steady_clock;
-    const auto deadline = clock::now() + std::chrono::duration<double>(timeout_s);
-    for (int i = 0;; ++i) {
-      const cudaError_t q = cudaStreamQuery(s);
-      if (q == cudaSuccess) return Status::Ok();
-      if (q != cudaErrorNotReady)
-        return detail::cuda_status(q, (std::string(what) + ": cudaStreamQuery").c_str(), __FILE__, __LINE__);
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
-      if (r != ncclSuccess) return detail::nccl_status(r, "ncclCommGetAsyncError", __FILE__, __LINE__);
-      if (async != ncclSuccess && async != ncclInProgress)
-        return fail(StatusCode::kNcclError, std::string("rank ") + std::to_string(rank) + ": " + what +
-                                                ": NCCL reported an asynchronous error: " + ncclGetErrorString(async));
-      if (clock::now() > deadline) {
-        std::ostringstream os;
-        os << "rank " << rank << ": " << what << " did not complete within timeout_seconds=" << timeout_s
-           << ": at least one of the " << size << " ranks did not reach it (it failed earlier, crashed, or is not "
-           << "making the same collective call)";
-        return fail(StatusCode::kTimeout, os.str());
-      }
-      if (i < 100)
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(500));
+Status Communicator::Impl::barrier(cudaStream_t s, double timeout_s) {
+  EPMOE_RETURN_IF_ERROR(check_usable("Communicator::barrier"));
+  EPMOE_NCCL_RETURN(ncclAllReduce(scratch, scratch, 1, ncclInt32, ncclSum, comm, s));
+  return wait_collective(s, "the barrier", timeout_s);
+}
+
+Status Communicator::Impl::release(Buffer* b) {
+  Status st;
+  if (b->win) {
+    st = detail::nccl_status(ncclCommWindowDeregister(comm, b->win), "ncclCommWindowDeregister", __FILE__, __LINE__);
+    if (st.ok()) b->win = nullptr;
+  }
+  // Why not free memory whose window is still registered: NCCL (and the peers' mappings) still
+  // refer to it; the destructor tries both again.
+  if (st.ok() && b->ptr) {
+    st = detail::nccl_status(ncclMemFree(b->ptr), "ncclMemFree", __FILE__, __LINE__);
+    if (st.ok()) b->ptr = nullptr;
+  }
+  if (!st.ok()) return st;
+  for (auto it = buffers.begin(); it != buffers.end(); ++it)
+    if (*it == b) {
+      buffers.erase(it);
+      break;
     }
-  }
-
-  // Host-side barrier: an NCCL all-reduce of one word on `s`, bounded.
-  Status barrier(cudaStream_t s, double timeout_s) {
-    EPMOE_RETURN_IF_ERROR(check_usable("Communicator::barrier"));
-    EPMOE_NCCL_RETURN(ncclAllReduce(scratch, scratch, 1, ncclInt32, ncclSum, comm, s));
-    return wait_collective(s, "the barrier", timeout_s);
-  }
-};
+  delete b;
+  return Status::Ok();
+}
 
 Communicator::Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Communicator::~Communicator() = default;
@@ -140,79 +147,133 @@ Status Communicator::close() {
   return Status::Ok();
 }
 
-Status Communicator::create(const ncclUniqueId& id, int rank, int size, std::unique_ptr<Communicator>* out) {
-  if (!out) return detail::invalid("Communicator::create: out is null");
-  if (size < 1 || size > kMaxCommRanks)
-    return detail::invalid("Communicator: size=", size, " must be in [1, ", kMaxCommRanks, "]");
-  if (rank < 0 || rank >= size) return detail::invalid("Communicator: rank=", rank, " must be in [0, ", size, ")");
-  EPMOE_RETURN_IF_ERROR(check_nccl_runtime_version());
-  auto impl = std::make_shared<Impl>();
-  EPMOE_NCCL_RETURN(ncclCommInitRank(&impl->comm, size, id, rank));
-  impl->owned = true;
-  return init(std::move(impl), out);
+Status Communicator::create(const ncclUniqueId& id, int rank, int size, std::unique_ptr<Communicator>* out,
+                            double timeout_seconds) {
+  return detail::CommAccess::create(id, rank, size, Status::Ok(), timeout_seconds, out);
 }
 
-Status Communicator::wrap(ncclComm_t comm, std::unique_ptr<Communicator>* out) {
-  if (!out) return detail::invalid("Communicator::wrap: out is null");
-  if (!comm) return detail::invalid("Communicator::wrap: comm is null");
-  EPMOE_RETURN_IF_ERROR(check_nccl_runtime_version());
-  auto impl = std::make_shared<Impl>();
-  impl->comm = comm;
-  return init(std::move(impl), out);
+Status Communicator::wrap(ncclComm_t comm, std::unique_ptr<Communicator>* out, double timeout_seconds) {
+  return detail::CommAccess::wrap(comm, Status::Ok(), timeout_seconds, out);
 }
 
-Status Communicator::init(std::shared_ptr<Impl> impl, std::unique_ptr<Communicator>* out) {
-  EPMOE_NCCL_RETURN(ncclCommUserRank(impl->comm, &impl->rank));
-  EPMOE_NCCL_RETURN(ncclCommCount(impl->comm, &impl->size));
-  EPMOE_NCCL_RETURN(ncclCommCuDevice(impl->comm, &impl->device));
-  if (impl->size > kMaxCommRanks)
-    return Status(StatusCode::kUnsupported, "Communicator: " + std::to_string(impl->size) + " ranks; epmoe supports at most " +
-                                                std::to_string(kMaxCommRanks) + " (one NVLink node)");
-  int current = -1;
-  EPMOE_CUDA_RETURN(cudaGetDevice(&current));
-  if (current != impl->device) {
-    std::ostringstream os;
-    os << "Communicator: the current CUDA device is " << current << " but the NCCL communicator lives on device "
-       << impl->device << "; call cudaSetDevice(" << impl->device << ") first";
-    return detail::invalid(os.str());
+namespace {
+
+// Makes `device` current until the end of the scope, then restores the previous one.
+class DeviceScope {
+ public:
+  Status enter(int device) {
+    EPMOE_CUDA_RETURN(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      EPMOE_CUDA_RETURN(cudaSetDevice(device));
+      changed_ = true;
+    }
+    return Status::Ok();
   }
-  EPMOE_CUDA_RETURN(cudaDeviceGetAttribute(&impl->sms, cudaDevAttrMultiProcessorCount, impl->device));
-  EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
-  EPMOE_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&impl->scratch), sizeof(int)));
-  EPMOE_RETURN_IF_ERROR(detail::create_dev_comm(impl->comm, &impl->dev));
-  out->reset(new Communicator(std::move(impl)));
+  ~DeviceScope() {
+    if (changed_) (void)cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+  bool changed_ = false;
+};
+
+// ncclCommInitRank on `device`, bounded by timeout_s. Why a helper thread: the init blocks until
+// every rank has joined, NCCL does not bound that wait, and a rank that failed its own argument
+// checks (or died) never joins. On a timeout the thread is left behind (it may stay blocked until
+// the process ends); should its init complete after all, it aborts the communicator it got, which
+// nobody else holds.
+Status init_rank_bounded(const ncclUniqueId& id, int rank, int size, int device, double timeout_s, ncclComm_t* out) {
+  struct Call {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false, abandoned = false;
+    ncclComm_t comm = nullptr;
+    ncclResult_t result = ncclInternalError;
+    cudaError_t device_error = cudaSuccess;
+  };
+  auto call = std::make_shared<Call>();
+  try {
+    std::thread([call, id, rank, size, device] {
+      ncclComm_t comm = nullptr;
+      ncclResult_t result = ncclInternalError;
+      const cudaError_t e = cudaSetDevice(device);
+      if (e == cudaSuccess) result = ncclCommInitRank(&comm, size, id, rank);
+      std::lock_guard<std::mutex> lock(call->mu);
+      if (call->abandoned) {
+        if (result == ncclSuccess && comm) (void)ncclCommAbort(comm);
+        return;
+      }
+      call->comm = comm;
+      call->result = result;
+      call->device_error = e;
+      call->done = true;
+      call->cv.notify_all();
+    }).detach();
+  } catch (const std::exception& ex) {
+    return Status(StatusCode::kInternal, std::string("Communicator::create: starting the init thread failed: ") + ex.what());
+  }
+  std::unique_lock<std::mutex> lock(call->mu);
+  if (!call->cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return call->done; })) {
+    call->abandoned = true;
+    std::ostringstream os;
+    os << "Communicator::create on rank " << rank << ": ncclCommInitRank did not complete within timeout_seconds="
+       << timeout_s << ": at least one of the " << size << " ranks did not join it (its own arguments failed their "
+       << "checks, it crashed or exited, or it was given another unique id). Nothing of this communicator is usable; "
+       << "the init is left to end with the process";
+    return Status(StatusCode::kTimeout, os.str());
+  }
+  if (call->device_error != cudaSuccess)
+    return detail::cuda_status(call->device_error, "cudaSetDevice (the init thread)", __FILE__, __LINE__);
+  EPMOE_RETURN_IF_ERROR(detail::nccl_status(call->result, "ncclCommInitRank", __FILE__, __LINE__));
+  *out = call->comm;
   return Status::Ok();
 }
 
-Status Communicator::free_symmetric(SymmetricBuffer* buf, double timeout_seconds) {
-  Impl& m = *impl_;
-  if (!buf) return Status::Ok();
-  auto it = m.buffers.begin();
-  while (it != m.buffers.end() && &(*it)->view != buf) ++it;
-  if (it == m.buffers.end())
-    return detail::invalid("free_symmetric: the buffer was not allocated by this Communicator (or was freed already)");
-  // A broken communicator frees nothing (see Impl::broken); the buffer stays listed.
-  EPMOE_RETURN_IF_ERROR(m.check_usable("free_symmetric"));
-  Impl::Buffer* b = *it;
-  m.buffers.erase(it);
-  // Why sync and barrier first: our kernels may still be running, and a peer's kernel may still read
-  // or write our copy through NVLink (combine's last flag stores land after we finished).
-  Status st = detail::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize", __FILE__, __LINE__);
-  if (st.ok()) st = m.barrier(m.stream, timeout_seconds);
-  if (st.ok() && b->win) {
-    st = detail::nccl_status(ncclCommWindowDeregister(m.comm, b->win), "ncclCommWindowDeregister", __FILE__, __LINE__);
-    if (st.ok()) b->win = nullptr;
+}  // namespace
+
+// Collective. Every check that one rank alone can fail goes through an agreement over the new
+// communicator before the first NCCL call that blocks on every rank (ncclDevCommCreate): a rank
+// that returned alone would leave its peers inside it. `caller` carries the checks made before
+// (arguments, the NCCL version); `timeout_s` bounds each exchange.
+Status Communicator::init(std::shared_ptr<Impl> impl, const Status& caller, double timeout_s,
+                          std::unique_ptr<Communicator>* out) {
+  EPMOE_NCCL_RETURN(ncclCommUserRank(impl->comm, &impl->rank));
+  EPMOE_NCCL_RETURN(ncclCommCount(impl->comm, &impl->size));
+  EPMOE_NCCL_RETURN(ncclCommCuDevice(impl->comm, &impl->device));
+  Status local = caller;
+  if (local.ok() && impl->size > kMaxCommRanks)
+    local = Status(StatusCode::kUnsupported, "Communicator: " + std::to_string(impl->size) +
+                                                 " ranks; epmoe supports at most " + std::to_string(kMaxCommRanks) +
+                                                 " (one NVLink node)");
+  int current = -1;
+  if (local.ok()) local = detail::cuda_status(cudaGetDevice(&current), "cudaGetDevice", __FILE__, __LINE__);
+  if (local.ok() && current != impl->device) {
+    std::ostringstream os;
+    os << "Communicator: the current CUDA device is " << current << " but the NCCL communicator lives on device "
+       << impl->device << "; call cudaSetDevice(" << impl->device << ") first";
+    local = detail::invalid(os.str());
   }
-  if (st.ok() && b->ptr) {
-    st = detail::nccl_status(ncclMemFree(b->ptr), "ncclMemFree", __FILE__, __LINE__);
-    if (st.ok()) b->ptr = nullptr;
-  }
-  if (!st.ok()) {
-    // Not (fully) freed: keep it listed so that the Communicator's destructor tries the rest.
-    m.buffers.push_back(b);
-    return Status(st.code(), "free_symmetric on rank " + std::to_string(m.rank) + ": " + st.message());
-  }
-  delete b;
+  // Why the communicator's device whatever the current one: a rank whose check failed still takes
+  // part in the agreement, whose exchange runs there.
+  DeviceScope scope;
+  EPMOE_RETURN_IF_ERROR(scope.enter(impl->device));
+  if (local.ok())
+    local = detail::cuda_status(cudaDeviceGetAttribute(&impl->sms, cudaDevAttrMultiProcessorCount, impl->device),
+                                "cudaDeviceGetAttribute", __FILE__, __LINE__);
+  if (local.ok())
+    local = detail::cuda_status(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking), "cudaStreamCreate",
+                                __FILE__, __LINE__);
+  if (local.ok())
+    local = detail::cuda_status(cudaMalloc(reinterpret_cast<void**>(&impl->scratch), sizeof(int)), "cudaMalloc",
+                                __FILE__, __LINE__);
+  // A failed init destroys this object with every rank's (the owned NCCL communicator with it).
+  std::unique_ptr<Communicator> made(new Communicator(std::move(impl)));
+  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*made, local, "Communicator init (the checks of every rank)", timeout_s));
+  Impl& m = *made->impl_;
+  const Status dev = detail::create_dev_comm(m.comm, &m.dev);
+  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*made, dev, "Communicator init (ncclDevCommCreate)", timeout_s));
+  *out = std::move(made);
   return Status::Ok();
 }
 
@@ -220,60 +281,56 @@ Status Communicator::barrier(cudaStream_t stream, double timeout_seconds) {
   return impl_->barrier(stream, timeout_seconds);
 }
 
-Status Communicator::alloc_symmetric(size_t bytes, SymmetricBuffer** out, double timeout_seconds) {
-  Impl& m = *impl_;
-  if (!out) return detail::invalid("alloc_symmetric: out is null");
-  if (bytes == 0) return detail::invalid("alloc_symmetric: bytes must be > 0");
-  EPMOE_RETURN_IF_ERROR(m.check_usable("alloc_symmetric"));
-  bytes = (bytes + 4095) / 4096 * 4096;  // NCCL_WIN_REQUIRED_ALIGNMENT
-  auto* b = new Impl::Buffer();
-  m.buffers.push_back(b);  // freed with the communicator, also on a failure below
-  // Why agree before registering: the registration is a blocking collective, and a rank whose
-  // allocation failed (out of memory) would leave the others inside it.
-  const Status allocated = detail::nccl_status(ncclMemAlloc(&b->ptr, bytes), "ncclMemAlloc", __FILE__, __LINE__);
-  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*this, allocated, "alloc_symmetric (ncclMemAlloc)", timeout_seconds));
-  EPMOE_NCCL_RETURN(ncclCommWindowRegister(m.comm, b->ptr, bytes, &b->win, NCCL_WIN_COLL_SYMMETRIC));
-  if (!b->win)
-    return Status(StatusCode::kNcclError, "ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) returned no window");
-  b->view.local = b->ptr;
-  b->view.bytes = bytes;
-  EPMOE_RETURN_IF_ERROR(detail::resolve_peer_pointers(b->win, m.dev, m.rank, m.size, b->view.peers, m.stream));
+namespace detail {
 
-  // Why write and read back: NCCL may hand back plain cudaMalloc memory or register a window without
-  // symmetric mapping and still return success. Each rank writes a tag into the next rank's copy
-  // through the resolved pointer and into its own copy through its own resolved pointer; after a
-  // barrier each rank must find both tags in its local memory.
-  const uint64_t magic = 0xE93E0C0FFEE00000ull;
-  const int next = (m.rank + 1) % m.size, prev = (m.rank + m.size - 1) % m.size;
-  EPMOE_CUDA_RETURN(cudaMemsetAsync(b->ptr, 0, bytes, m.stream));
-  EPMOE_RETURN_IF_ERROR(m.barrier(m.stream, timeout_seconds));
-  EPMOE_RETURN_IF_ERROR(detail::write_word_from_device(static_cast<uint64_t*>(b->view.peers[next]), magic + m.rank, m.stream));
-  EPMOE_RETURN_IF_ERROR(
-      detail::write_word_from_device(static_cast<uint64_t*>(b->view.peers[m.rank]) + 1, magic + 100 + m.rank, m.stream));
-  EPMOE_RETURN_IF_ERROR(m.barrier(m.stream, timeout_seconds));
-  uint64_t seen[2] = {0, 0};
-  EPMOE_CUDA_RETURN(cudaMemcpy(seen, b->ptr, sizeof(seen), cudaMemcpyDeviceToHost));
-  Status checked;
-  if (seen[0] != magic + prev || seen[1] != magic + 100 + m.rank) {
-    std::ostringstream os;
-    os << "symmetric memory check failed on rank " << m.rank << ": a write through NCCL's peer pointer did not land ("
-       << "expected 0x" << std::hex << magic + prev << " / 0x" << magic + 100 + m.rank << ", read 0x" << seen[0]
-       << " / 0x" << seen[1] << std::dec
-       << "). NCCL likely fell back to non-symmetric memory (ncclMemAlloc without cuMem/VMM support, or no "
-          "NVLink P2P between the GPUs); run with NCCL_DEBUG=INFO to see why";
-    checked = Status(StatusCode::kNcclError, os.str());
-  }
-  EPMOE_CUDA_RETURN(cudaMemsetAsync(b->ptr, 0, 16, m.stream));
-  // Why wait for the clearing before agreeing: the agreement runs on another stream, and a peer
-  // that leaves it may write into this buffer at once; the clearing must have landed by then.
-  EPMOE_CUDA_RETURN(cudaStreamSynchronize(m.stream));
-  EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*this, checked, "alloc_symmetric (the NVLink write check)",
-                                                timeout_seconds));
-  *out = &b->view;
+Status CommAccess::create(const ncclUniqueId& id, int rank, int size, const Status& caller, double timeout_seconds,
+                          std::unique_ptr<Communicator>* out) {
+  // Without a valid rank and size this rank cannot join the NCCL init: it fails alone, and its
+  // peers' init ends with kTimeout after their timeout_seconds.
+  if (size < 1 || size > kMaxCommRanks)
+    return invalid("Communicator::create: size=", size, " must be in [1, ", kMaxCommRanks, "]");
+  if (rank < 0 || rank >= size)
+    return invalid("Communicator::create: rank=", rank, " must be in [0, size=", size, ")");
+  // Everything else joins the init and fails in the first agreement, with every rank.
+  Status local = caller;
+  if (local.ok() && !out) local = invalid("Communicator::create: out is null");
+  if (local.ok() && !valid_host_timeout(timeout_seconds))
+    local = invalid("Communicator::create: timeout_seconds=", timeout_seconds, " must be in (0, 3600]");
+  // Why not a reason to stay out: an older libnccl still has ncclCommInitRank and the all-gather
+  // of the agreement; the device API that needs the newer one is used only after it.
+  if (local.ok()) local = check_nccl_runtime_version();
+  const double bound = valid_host_timeout(timeout_seconds) ? timeout_seconds : kDefaultHostTimeoutSeconds;
+  int device = -1;
+  EPMOE_CUDA_RETURN(cudaGetDevice(&device));
+  auto impl = std::make_shared<Communicator::Impl>();
+  EPMOE_RETURN_IF_ERROR(init_rank_bounded(id, rank, size, device, bound, &impl->comm));
+  impl->owned = true;
+  std::unique_ptr<Communicator> made;
+  EPMOE_RETURN_IF_ERROR(Communicator::init(std::move(impl), local, bound, &made));
+  *out = std::move(made);
   return Status::Ok();
 }
 
-namespace detail {
+Status CommAccess::wrap(ncclComm_t comm, const Status& caller, double timeout_seconds,
+                        std::unique_ptr<Communicator>* out) {
+  // Without a communicator this rank cannot take part: it fails alone, and its peers' first
+  // agreement ends with kTimeout after their timeout_seconds.
+  if (!comm) return invalid("Communicator::wrap: comm is null");
+  Status local = caller;
+  if (local.ok() && !out) local = invalid("Communicator::wrap: out is null");
+  if (local.ok() && !valid_host_timeout(timeout_seconds))
+    local = invalid("Communicator::wrap: timeout_seconds=", timeout_seconds, " must be in (0, 3600]");
+  if (local.ok()) local = check_nccl_runtime_version();
+  auto impl = std::make_shared<Communicator::Impl>();
+  impl->comm = comm;
+  std::unique_ptr<Communicator> made;
+  EPMOE_RETURN_IF_ERROR(Communicator::init(std::move(impl), local,
+                                           valid_host_timeout(timeout_seconds) ? timeout_seconds
+                                                                               : kDefaultHostTimeoutSeconds,
+                                           &made));
+  *out = std::move(made);
+  return Status::Ok();
+}
 
 std::unique_ptr<Communicator> CommAccess::share(const Communicator& comm) {
   return std::unique_ptr<Communicator>(new Communicator(comm.impl_));
@@ -287,14 +344,14 @@ Status CommAccess::usable(const Communicator& comm, const char* what) {
 long CommAccess::other_holders(const Communicator& comm) { return comm.impl_ ? comm.impl_.use_count() - 1 : 0; }
 
 Status all_gather_bytes(Communicator& comm, const void* mine, size_t bytes, std::vector<char>* out,
-                        double timeout_seconds) {
-  return CommAccess::all_gather_bytes(comm, mine, bytes, out, timeout_seconds);
+                        double timeout_seconds, const char* what) {
+  return CommAccess::all_gather_bytes(comm, mine, bytes, out, timeout_seconds, what);
 }
 
 Status CommAccess::all_gather_bytes(Communicator& comm, const void* mine, size_t bytes, std::vector<char>* out,
-                                    double timeout_seconds) {
+                                    double timeout_seconds, const char* what) {
   Communicator::Impl& m = *comm.impl_;
-  EPMOE_RETURN_IF_ERROR(m.check_usable("a create-time exchange"));
+  EPMOE_RETURN_IF_ERROR(m.check_usable(what));
   const int R = m.size;
   out->assign(size_t(R) * bytes, 0);
   cudaStream_t stream = nullptr;
@@ -308,7 +365,7 @@ Status CommAccess::all_gather_bytes(Communicator& comm, const void* mine, size_t
                      __FILE__, __LINE__);
   if (st.ok())
     st = nccl_status(ncclAllGather(d, d + bytes, bytes, ncclChar, m.comm, stream), "ncclAllGather", __FILE__, __LINE__);
-  if (st.ok()) st = m.wait_collective(stream, "the create-time exchange (an NCCL all-gather)", timeout_seconds);
+  if (st.ok()) st = m.wait_collective(stream, (std::string(what) + " (an NCCL all-gather)").c_str(), timeout_seconds);
   // Why the copy back only after the bounded wait: a device-to-pageable copy returns only once it
   // has completed, so enqueued behind the all-gather it would block this thread until a peer that
   // never joins does, and the wait above would never run.
@@ -318,61 +375,18 @@ Status CommAccess::all_gather_bytes(Communicator& comm, const void* mine, size_t
   if (st.ok()) st = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
   // Why not free after a timeout: cudaFree waits for the device, and a collective that a peer
   // never joined may never end (a borrowed communicator is not aborted).
-  if (!m.broken) {
-    if (d) cudaFree(d);
+  Status cleanup;
+  if (!m.broken && d) cleanup = cuda_status(cudaFree(d), "cudaFree(exchange buffer)", __FILE__, __LINE__);
+  if (stream) {
+    const Status destroyed = cuda_status(cudaStreamDestroy(stream), "cudaStreamDestroy", __FILE__, __LINE__);
+    if (cleanup.ok()) cleanup = destroyed;
   }
-  if (stream) cudaStreamDestroy(stream);
+  // Why only logged once the exchange worked: every rank has the result, and an error returned by
+  // this rank alone would set it apart from its peers in the steps that follow.
+  if (st.ok() && !cleanup.ok())
+    std::fprintf(stderr, "[epmoe] rank %d: %s: cleaning up after the exchange failed (%s); the exchange completed\n",
+                 m.rank, what, cleanup.message().c_str());
   return st;
-}
-
-Status all_gather_words(Communicator& comm, const int64_t* mine, int n, std::vector<int64_t>* all,
-                        double timeout_seconds) {
-  std::vector<char> bytes;
-  EPMOE_RETURN_IF_ERROR(all_gather_bytes(comm, mine, sizeof(int64_t) * size_t(n), &bytes, timeout_seconds));
-  all->assign(size_t(comm.size()) * n, 0);
-  std::memcpy(all->data(), bytes.data(), bytes.size());
-  return Status::Ok();
-}
-
-Status agree_on_status(Communicator& comm, const Status& mine, const char* what, double timeout_seconds) {
-  // Per rank: the code, then the message (truncated), NUL-terminated.
-  constexpr size_t kMessageBytes = 480;
-  struct Word {
-    int64_t code;
-    char message[kMessageBytes];
-  };
-  Word w{};
-  w.code = int64_t(mine.code());
-  std::snprintf(w.message, kMessageBytes, "%s", mine.message().c_str());
-  std::vector<char> bytes;
-  const Status st = all_gather_bytes(comm, &w, sizeof(w), &bytes, timeout_seconds);
-  if (!st.ok()) {
-    if (!mine.ok()) return Status(mine.code(), mine.message() + " (then: " + st.message() + ")");
-    return Status(st.code(), std::string(what) + ": " + st.message());
-  }
-  std::vector<int> failed;
-  std::string causes;
-  StatusCode first = StatusCode::kOk;
-  for (int r = 0; r < comm.size(); ++r) {
-    Word o;
-    std::memcpy(&o, bytes.data() + size_t(r) * sizeof(Word), sizeof(Word));
-    o.message[kMessageBytes - 1] = '\0';
-    if (o.code == int64_t(StatusCode::kOk)) continue;
-    if (failed.empty()) first = StatusCode(o.code);
-    failed.push_back(r);
-    causes += std::string(causes.empty() ? "" : "; ") + "rank " + std::to_string(r) + ": " +
-              status_code_name(StatusCode(o.code)) + ": " + o.message;
-  }
-  if (failed.empty()) return Status::Ok();
-  return Status(mine.ok() ? first : mine.code(),
-                std::string(what) + " failed on " + rank_list(failed) + " (reported on rank " +
-                    std::to_string(comm.rank()) + "; every rank fails and releases what it allocated): " + causes);
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
-  return out;
 }
 
 }  // namespace detail

@@ -2,6 +2,7 @@
 
 #include <nccl_device.h>
 
+#include <initializer_list>
 #include <sstream>
 
 #include "host/check.h"
@@ -62,16 +63,17 @@ Status resolve_peer_pointers(ncclWindow_t win, const DevCommInfo& info, int rank
   void** d_out = nullptr;
   EPMOE_CUDA_RETURN(cudaMallocAsync(reinterpret_cast<void**>(&d_out), 8 * sizeof(void*), stream));
   resolve_peers_kernel<<<1, 32, 0, stream>>>(win, size, idx, d_out);
-  Status st = cuda_status(cudaGetLastError(), "launch of resolve_peers_kernel", __FILE__, __LINE__);
-  if (st.ok()) {
-    Status copied = cuda_status(cudaMemcpyAsync(peers, d_out, size * sizeof(void*), cudaMemcpyDeviceToHost, stream),
-                                "cudaMemcpyAsync(peers)", __FILE__, __LINE__);
-    Status synced = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
-    if (!copied.ok()) return copied;
-    if (!synced.ok()) return synced;
-  }
-  cudaFreeAsync(d_out, stream);
-  return st;
+  const Status launched = cuda_status(cudaGetLastError(), "launch of resolve_peers_kernel", __FILE__, __LINE__);
+  const Status copied =
+      launched.ok() ? cuda_status(cudaMemcpyAsync(peers, d_out, size * sizeof(void*), cudaMemcpyDeviceToHost, stream),
+                                  "cudaMemcpyAsync(peers)", __FILE__, __LINE__)
+                    : Status::Ok();
+  // Freed whatever happened above; the first error is the one returned.
+  const Status freed = cuda_status(cudaFreeAsync(d_out, stream), "cudaFreeAsync(peer table)", __FILE__, __LINE__);
+  const Status synced = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+  for (const Status* st : {&launched, &copied, &freed, &synced})
+    if (!st->ok()) return *st;
+  return Status::Ok();
 }
 
 Status write_word_from_device(uint64_t* dst, uint64_t value, cudaStream_t stream) {

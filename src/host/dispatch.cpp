@@ -344,11 +344,21 @@ int64_t DispatchHandle::pool_bytes_for(const Communicator& comm, const DispatchC
 
 Status DispatchHandle::create(Communicator& comm, const DispatchConfig& cfg, std::unique_ptr<DispatchHandle>* out,
                               void* external_pool) {
-  if (!out) return detail::invalid("DispatchHandle::create: out is null");
-  // Every rank fails together: on a config that differs between ranks, on any rank's misaligned
-  // external pool, and (the configs being equal) on an invalid config.
+  return detail::DispatchAccess::create(comm, cfg, Status::Ok(), out, external_pool);
+}
+
+Status detail::DispatchAccess::create(Communicator& comm, const DispatchConfig& cfg, const Status& caller,
+                                      std::unique_ptr<DispatchHandle>* out, void* external_pool) {
+  // Every rank fails together, naming the failing ranks: on its caller's checks, a null `out` or
+  // an invalid config (agreed first: a rank that returned alone would leave the others in the
+  // exchange below), then on a config that differs between ranks or any rank's misaligned
+  // external pool.
+  Status checked = caller;
+  if (checked.ok() && !out) checked = detail::invalid("DispatchHandle::create: out is null");
+  if (checked.ok()) checked = DispatchHandle::validate(comm, cfg);
+  EPMOE_RETURN_IF_ERROR(
+      detail::agree_on_status(comm, checked, "DispatchHandle::create (the argument checks)", host_timeout(cfg)));
   EPMOE_RETURN_IF_ERROR(check_config_across_ranks(comm, cfg, external_pool));
-  EPMOE_RETURN_IF_ERROR(validate(comm, cfg));
   detail::WorkspaceSpec spec;
   spec.shape = comm_shape(comm.size(), cfg);
   spec.pool_bytes = pool_layout(comm.size(), cfg).num_bytes();

@@ -16,6 +16,11 @@
 namespace epmoe::detail {
 
 struct DispatchAccess {
+  // DispatchHandle::create with the checks a wrapper ran before it (the C ABI's conversion of its
+  // config struct): `caller` joins create's first agreement, so a rank whose wrapper rejected its
+  // arguments fails together with its peers, naming itself, instead of returning alone.
+  static Status create(Communicator& comm, const DispatchConfig& cfg, const Status& caller,
+                       std::unique_ptr<DispatchHandle>* out, void* external_pool = nullptr);
   // No checks: the caller has validated the call (validate_call) as dispatch() would.
   static comm::DispatchParams dispatch_params(const DispatchHandle& h, const void* x, const void* topk_idx,
                                               IndexType idx_type, const float* topk_weights, int64_t num_tokens);

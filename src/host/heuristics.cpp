@@ -65,6 +65,8 @@ heuristics::TuningOverrides g_overrides;
 int g_never_arrive_rank = -1;
 int g_stall_gemm_rank = -1;
 int g_fail_create_rank = -1;
+int g_fail_symmetric_rank = -1;
+int g_fail_symmetric_step = 0;
 #endif
 }  // namespace
 
@@ -107,6 +109,18 @@ void set_debug_fail_create_rank(int rank) {
 int debug_fail_create_rank() {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_fail_create_rank;
+}
+
+void set_debug_fail_symmetric(int rank, int step) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_fail_symmetric_rank = rank;
+  g_fail_symmetric_step = step;
+}
+
+void debug_fail_symmetric(int* rank, int* step) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  *rank = g_fail_symmetric_rank;
+  *step = g_fail_symmetric_step;
 }
 #endif
 

@@ -71,7 +71,7 @@ heuristics::TuningOverrides tuning_overrides();
 
 #ifdef EPMOE_TEST_HOOKS
 // Test hooks, compiled only with -DEPMOE_TEST_HOOKS=ON (tools/test.sh, tools/stage_gpu.sh); -1
-// (the default): off. Each is read once by the create call named.
+// (the default): off. Each is read by the call named (the create calls read theirs once).
 // never_arrive: the DispatchHandle created on this rank launches no dispatch, combine or fused
 // kernel, so its peers' bounded waits expire (DispatchHandle::create).
 void set_debug_never_arrive_rank(int rank);
@@ -84,6 +84,11 @@ int debug_stall_gemm_rank();
 // error would (MoELayer::create).
 void set_debug_fail_create_rank(int rank);
 int debug_fail_create_rank();
+// fail_symmetric: Communicator::alloc_symmetric on this rank fails at `step` as that call would (1:
+// ncclMemAlloc, 2: the window registration, after it registered, 3: the peer pointers, 4: the
+// NVLink write check reads a wrong tag); read at each call. rank -1: off.
+void set_debug_fail_symmetric(int rank, int step);
+void debug_fail_symmetric(int* rank, int* step);
 #endif
 
 }  // namespace epmoe::detail

@@ -18,6 +18,9 @@
 namespace epmoe {
 namespace {
 
+// What a child writes first once fn has returned; its Status message follows.
+constexpr char kReturnedMarker = '\x1e';
+
 // Child side: run fn, write the message, exit. Never returns.
 [[noreturn]] void run_child(const RankContext& ctx, const LaunchOptions& opts,
                             const std::function<Status(const RankContext&)>& fn, int write_fd) {
@@ -37,7 +40,8 @@ namespace {
   } catch (...) {
     st = Status(StatusCode::kInternal, "uncaught non-standard exception");
   }
-  const std::string msg = st.ok() ? std::string() : st.to_string();
+  // The marker tells the parent that fn returned: a rank that exits without it died mid-call.
+  const std::string msg = std::string(1, kReturnedMarker) + (st.ok() ? std::string() : st.to_string());
   size_t off = 0;
   while (off < msg.size()) {
     const ssize_t n = write(write_fd, msg.data() + off, msg.size() - off);
@@ -48,6 +52,55 @@ namespace {
   std::fflush(stdout);
   std::fflush(stderr);
   _exit(st.ok() ? 0 : 1);
+}
+
+// Reads what is left in a dead child's pipe (bounded: a grandchild may hold the write end open).
+void drain(int& fd, std::string* into) {
+  if (fd < 0) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1000);
+  while (std::chrono::steady_clock::now() < until) {
+    pollfd pf{fd, POLLIN, 0};
+    if (poll(&pf, 1, 50) <= 0) continue;
+    char buf[4096];
+    const ssize_t k = read(fd, buf, sizeof(buf));
+    if (k <= 0) break;
+    into->append(buf, size_t(k));
+  }
+  close(fd);
+  fd = -1;
+}
+
+// Whether a finished rank fails the run, and why (for the summary).
+bool judge(RankOutcome& o, const LaunchOptions& opts, std::string* why) {
+  const ExpectedExit* expected = nullptr;
+  for (const ExpectedExit& e : opts.expected_exits)
+    if (e.rank == o.rank) expected = &e;
+  if (o.signal) {
+    *why = "died from signal " + std::to_string(o.signal) + " (" + strsignal(o.signal) + ")";
+    return true;
+  }
+  if (expected) {
+    if (o.returned) {
+      *why = "was expected to exit with code " + std::to_string(expected->code) +
+             " before its function returned, but the function returned (exit code " + std::to_string(o.exit_code) + ")";
+      return true;
+    }
+    if (o.exit_code != expected->code) {
+      *why = "exited with code " + std::to_string(o.exit_code) + " before its function returned; expected code " +
+             std::to_string(expected->code);
+      return true;
+    }
+    return false;
+  }
+  if (!o.returned) {
+    *why = "exited with code " + std::to_string(o.exit_code) + " before its function returned (it reported nothing)";
+    return true;
+  }
+  if (o.exit_code != 0) {
+    *why = "exited with code " + std::to_string(o.exit_code);
+    return true;
+  }
+  return false;
 }
 
 void kill_all(std::vector<pid_t>& pids, std::vector<bool>& alive) {
@@ -132,6 +185,7 @@ LaunchResult launch_ranks(const LaunchOptions& opts, const std::function<Status(
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opts.timeout_seconds);
   int first_failure = -1;
   bool timed_out = false;
+  std::vector<std::string> why(n);
   int running = n;
   while (running > 0) {
     for (int r = 0; r < n; ++r) {
@@ -158,7 +212,12 @@ LaunchResult launch_ranks(const LaunchOptions& opts, const std::function<Status(
       o.finished = true;
       if (WIFEXITED(wst)) o.exit_code = WEXITSTATUS(wst);
       if (WIFSIGNALED(wst)) o.signal = WTERMSIG(wst);
-      if ((o.exit_code != 0 || o.signal != 0) && first_failure < 0) first_failure = r;
+      // Why drain now: whether it returned is in its pipe, which may still hold the marker.
+      drain(fds[r], &o.message);
+      o.returned = !o.message.empty() && o.message[0] == kReturnedMarker;
+      if (o.returned) o.message.erase(0, 1);
+      o.failed = judge(o, opts, &why[r]);
+      if (o.failed && first_failure < 0) first_failure = r;
     }
     if (first_failure >= 0) break;
     if (std::chrono::steady_clock::now() > deadline) {
@@ -174,22 +233,28 @@ LaunchResult launch_ranks(const LaunchOptions& opts, const std::function<Status(
     ssize_t k;
     while ((k = read(fds[r], buf, sizeof(buf))) > 0) res.ranks[r].message.append(buf, size_t(k));
     close(fds[r]);
+    // A killed rank that had returned (it was killed while exiting) keeps no marker in its message.
+    RankOutcome& o = res.ranks[r];
+    if (!o.message.empty() && o.message[0] == kReturnedMarker) {
+      o.returned = true;
+      o.message.erase(0, 1);
+    }
   }
+  for (RankOutcome& o : res.ranks)
+    if (!o.finished) o.failed = true;
 
   std::ostringstream os;
   auto describe = [&](const RankOutcome& o) {
     os << "rank " << o.rank << ": ";
     if (!o.finished) os << (timed_out ? "did not finish within the time limit of " + std::to_string(opts.timeout_seconds) + " s (killed)"
                                       : "killed after another rank failed");
-    else if (o.signal) os << "died from signal " << o.signal << " (" << strsignal(o.signal) << ")";
-    else if (o.exit_code != 0) os << "exited with code " << o.exit_code;
-    else os << "ok";
+    else os << why[size_t(o.rank)];
     if (!o.message.empty()) os << ": " << o.message;
     os << "\n";
   };
   if (first_failure >= 0) describe(res.ranks[first_failure]);
   for (const RankOutcome& o : res.ranks)
-    if (o.rank != first_failure && (!o.finished || o.exit_code != 0 || o.signal != 0)) describe(o);
+    if (o.rank != first_failure && o.failed) describe(o);
   res.message = os.str();
   res.ok = res.message.empty();
   return res;

@@ -130,15 +130,19 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   ~PipelineLayer() override {
+    // Taken before the handle goes: a device wait of this layer timed out and trapped, so the
+    // context is lost.
+    const bool trapped = dispatch_ && detail::DispatchAccess::timeout_recorded(*dispatch_);
     // The dispatch handle and the workspace share first (the last share's release is the collective
     // step), then the local buffers.
     dispatch_.reset();
     const bool broken = detail::CommAccess::broken(*comm_);
     --ws_->num_layers;
     ws_.reset();
-    if (broken) {
-      // Why leak: cudaFree waits for the device, where a collective a peer never joined may never
-      // end; the process is expected to exit.
+    if (trapped || broken) {
+      // Why leak: on a lost context every CUDA call only fails; on a broken communicator cudaFree
+      // waits for the device, where a collective a peer never joined may never end. The process is
+      // expected to exit.
       for (DeviceBuffer* b : {&w1_, &w2_, &w1_scale_, &w2_scale_, &phase_ts_}) b->leak();
       return;
     }
@@ -538,13 +542,20 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 }  // namespace
 
 Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out) {
+  return detail::create_layer(comm, cfg, Status::Ok(), out);
+}
+
+Status detail::create_layer(Communicator& comm, const LayerConfig& cfg, const Status& caller,
+                            std::unique_ptr<MoELayer>* out) {
   // The exchanges below run on the communicator's device.
   EPMOE_CUDA_RETURN(cudaSetDevice(comm.device()));
-  // Why the configuration checks go through an agreement: a rank whose check fails and returns
-  // here would leave its peers waiting in their first collective until the timeout; agreed, every
-  // rank fails at once with every failing rank's message. The timeout of an invalid config is
-  // not used (the default instead).
-  Status local = out ? validate(cfg) : invalid("MoELayer::create: out is null");
+  // Why the checks go through an agreement: a rank whose check fails and returns here would leave
+  // its peers waiting in their first collective until the timeout; agreed, every rank fails at
+  // once with every failing rank's message. The timeout of a config that failed is not used (the
+  // default instead).
+  Status local = caller;
+  if (local.ok() && !out) local = invalid("MoELayer::create: out is null");
+  if (local.ok()) local = validate(cfg);
   if (local.ok() && cfg.num_ranks != comm.size())
     local = invalid("num_ranks=", cfg.num_ranks, " must equal the communicator size ", comm.size());
   if (local.ok()) local = gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate);
@@ -553,7 +564,7 @@ Status MoELayer::create(Communicator& comm, const LayerConfig& cfg, std::unique_
   // A private workspace of exactly this layer's size; the layer keeps the only share.
   std::unique_ptr<Workspace> ws;
   EPMOE_RETURN_IF_ERROR(Workspace::create(comm, workspace_config_for(cfg), &ws));
-  return create(*ws, cfg, out);
+  return MoELayer::create(*ws, cfg, out);
 }
 
 Status MoELayer::create(Workspace& workspace, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out,

@@ -1,6 +1,9 @@
-// Internal hooks of MoELayer for the benchmark and tests (not public API).
+// Internal hooks of MoELayer for the benchmark, the tests and the C ABI (not public API).
 #pragma once
 
+#include <memory>
+
+#include "epmoe/comm.h"
 #include "epmoe/dispatch.h"
 #include "epmoe/layer.h"
 #include "epmoe/status.h"
@@ -18,5 +21,10 @@ class LayerInternals {
 };
 
 LayerInternals* internals(MoELayer& layer);
+
+// MoELayer::create with the checks a wrapper ran before it (the C ABI's conversion of its config
+// struct): `caller` joins create's first agreement, so a rank whose wrapper rejected its arguments
+// fails together with its peers, naming itself, instead of returning alone.
+Status create_layer(Communicator& comm, const LayerConfig& cfg, const Status& caller, std::unique_ptr<MoELayer>* out);
 
 }  // namespace epmoe::detail

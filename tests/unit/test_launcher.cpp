@@ -1,5 +1,6 @@
-// The launcher on the CPU: ranks run in forked children, failures and hangs fail the run with the
-// rank's message, and no child survives the call.
+// The launcher on the CPU: ranks run in forked children, failures, hangs and ranks that exit before
+// their function returned fail the run with the rank's message (unless the exit is expected), and
+// no child survives the call.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -27,7 +28,11 @@ TEST(Launcher, AllRanksSucceed) {
   });
   EXPECT_TRUE(r.ok) << r.message;
   ASSERT_EQ(r.ranks.size(), 3u);
-  for (const auto& o : r.ranks) EXPECT_EQ(o.exit_code, 0);
+  for (const auto& o : r.ranks) {
+    EXPECT_EQ(o.exit_code, 0);
+    EXPECT_TRUE(o.returned);
+    EXPECT_TRUE(o.message.empty()) << o.message;
+  }
 }
 
 TEST(Launcher, SameUniqueIdInEveryRank) {
@@ -84,6 +89,65 @@ TEST(Launcher, ExceptionBecomesAMessage) {
   });
   EXPECT_FALSE(r.ok);
   EXPECT_NE(r.message.find("boom"), std::string::npos) << r.message;
+}
+
+TEST(Launcher, RankThatExitsBeforeReturningFailsTheRun) {
+  const auto r = epmoe::launch_ranks(cpu_options(2, 30), [](const epmoe::RankContext& c) {
+    if (c.rank == 1) _exit(0);  // code 0, but its function never returned
+    return epmoe::Status::Ok();
+  });
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("rank 1: exited with code 0 before its function returned"), std::string::npos) << r.message;
+  ASSERT_EQ(r.ranks.size(), 2u);
+  EXPECT_FALSE(r.ranks[1].returned);
+  EXPECT_TRUE(r.ranks[1].failed);
+}
+
+epmoe::LaunchOptions with_expected_exit(int rank, int code) {
+  epmoe::LaunchOptions o = cpu_options(2, 30);
+  o.expected_exits.push_back({rank, code});
+  return o;
+}
+
+TEST(Launcher, ExpectedExitLetsTheOtherRanksFinish) {
+  const auto r = epmoe::launch_ranks(with_expected_exit(1, 77), [](const epmoe::RankContext& c) {
+    if (c.rank == 1) _exit(77);
+    // Still running when rank 1 is gone: the launcher must not have killed it.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return epmoe::Status::Ok();
+  });
+  EXPECT_TRUE(r.ok) << r.message;
+  ASSERT_EQ(r.ranks.size(), 2u);
+  EXPECT_TRUE(r.ranks[0].finished && r.ranks[0].returned && !r.ranks[0].failed);
+  EXPECT_TRUE(r.ranks[1].finished && !r.ranks[1].returned && !r.ranks[1].failed);
+  EXPECT_EQ(r.ranks[1].exit_code, 77);
+}
+
+TEST(Launcher, ExpectedExitThatReturnsInsteadFailsTheRun) {
+  const auto r = epmoe::launch_ranks(with_expected_exit(1, 77), [](const epmoe::RankContext&) {
+    return epmoe::Status::Ok();
+  });
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("rank 1: was expected to exit with code 77"), std::string::npos) << r.message;
+}
+
+TEST(Launcher, ExpectedExitWithAnotherCodeFailsTheRun) {
+  const auto r = epmoe::launch_ranks(with_expected_exit(1, 77), [](const epmoe::RankContext& c) {
+    if (c.rank == 1) _exit(3);
+    return epmoe::Status::Ok();
+  });
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("exited with code 3 before its function returned; expected code 77"), std::string::npos)
+      << r.message;
+}
+
+TEST(Launcher, ExpectedExitStillFailsTheRunOnASignal) {
+  const auto r = epmoe::launch_ranks(with_expected_exit(1, 77), [](const epmoe::RankContext& c) {
+    if (c.rank == 1) std::abort();
+    return epmoe::Status::Ok();
+  });
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("rank 1: died from signal"), std::string::npos) << r.message;
 }
 
 TEST(Launcher, RejectsZeroRanks) {
