@@ -281,6 +281,10 @@ if [ "$mode" = layer-peer ]; then
   tokens=${EPMOE_PEER_TOKENS:-1,128,1024,4096,8192}
   step "layer_peer_r${R}" 200 torchrun --standalone --nproc-per-node "$R" .gpu/peers/megamoe_layer.py --shape dsv3 --tokens "$tokens"
   step "layer_peer_r${R}_qwen3" 120 torchrun --standalone --nproc-per-node "$R" .gpu/peers/megamoe_layer.py --shape qwen3
+  # A plain PyTorch expert-parallel layer (BF16, all_to_all_single + torch._grouped_mm) beside
+  # epmoe's paths in FP8 and BF16, same shape and token counts.
+  step "torch_ep_r${R}" 300 torchrun --standalone --nproc-per-node "$R" python/benchmarks/torch_ep_layer.py \
+    --shape dsv3 --tokens "$tokens"
   [ "$R" -gt 2 ] && step layer_peer_r2 150 torchrun --standalone --nproc-per-node 2 .gpu/peers/megamoe_layer.py --shape dsv3 --tokens 1,128,4096
   finish
 fi
