@@ -684,6 +684,39 @@ def parse_args(argv):
     return args, shapes
 
 
+def copy_gbs(torch, device, nbytes=1 << 30, reps=5) -> float:
+    """Device-to-device copy bandwidth in this process: (read + write) bytes per second, best of
+    `reps` copies of `nbytes`. The decode shapes' weight streams are compared with it."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2.0 * nbytes / best / 1e9
+
+
+def weight_line(rec, sh, copy) -> str:
+    """For a decode shape: the rate at which each kernel streams the weights (e4m3 plus the 128 x 128
+    fp32 scales), against a device-to-device copy's (read + write) bandwidth in the same process."""
+    groups = len(sh.rows)
+    wbytes = groups * sh.n * sh.k + groups * (sh.n // 128) * (sh.k // 128) * 4
+    parts = []
+    for n, k in rec["kernels"].items():
+        gbs = wbytes / (k["median_ms"] * 1e-3) / 1e9
+        k["weight_gbs"] = round(gbs, 1)
+        k["weight_over_copy"] = round(gbs / copy, 3)
+        parts.append(f"{n} {gbs:7.1f} GB/s ({gbs / copy:.2f}x)")
+    return f"  weights {wbytes / 1e6:.0f} MB: " + ", ".join(parts) + f"; D2D copy {copy:.0f} GB/s"
+
+
 def main(argv=None) -> int:
     args, shapes = parse_args(sys.argv[1:] if argv is None else argv)
     if args.dry_run:
@@ -705,6 +738,9 @@ def main(argv=None) -> int:
     print(f"gemm_vs_deepgemm on {meta['gpu']}: deep_gemm {meta['deep_gemm']}, torch {meta['torch']}, "
           f"commit {meta['commit']}, --data {args.data}, segment alignment {align}, clocks: "
           f"{clock.note or 'sampled by NVML'}", flush=True)
+    copy = copy_gbs(torch, args.device) if any(sum(sh.rows) <= 128 * len(sh.rows) for sh in shapes) else None
+    if copy:
+        meta["copy_gbs"] = round(copy, 1)
     header(args)
     records, failed = [], False
     s = torch.cuda.Stream(args.device)
@@ -725,6 +761,8 @@ def main(argv=None) -> int:
         failed |= not rec["ok"]
         records.append(rec)
         print(row_line(rec), flush=True)
+        if copy and rec.get("kernels") and sum(sh.rows) <= 128 * len(sh.rows):
+            print(weight_line(rec, sh, copy), flush=True)
         for note in rec["notes"]:
             print("  " + note, flush=True)
         torch.cuda.empty_cache()
