@@ -605,12 +605,14 @@ int epmoe_workspace_destroy(epmoe_workspace* ws) {
 int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_config* cfg, const epmoe_weight_refs* weights,
                           epmoe_layer** out) {
   return guarded([&]() -> Status {
-    if (!out) return invalid("out is null");
-    *out = nullptr;
+    if (out) *out = nullptr;
+    // Without a workspace (and its communicator) this rank cannot take part: it fails alone.
     if (!ws || !ws->ws) return invalid("workspace is null (destroyed or never created)");
+    // Every other check joins the create's first agreement, as in epmoe_layer_create.
+    Status local = out ? Status::Ok() : invalid("out is null");
     epmoe::LayerConfig c;
-    EPMOE_RETURN_IF_ERROR(to_config(cfg, &c));
-    if (c.num_ranks == 0) c.num_ranks = ws->comm->size;
+    if (local.ok()) local = to_config(cfg, &c);
+    if (local.ok() && c.num_ranks == 0) c.num_ranks = ws->comm->size;
     epmoe::ExpertWeightRefs refs;
     if (weights) {
       refs.w13 = weights->w13;
@@ -621,7 +623,7 @@ int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_config* cfg, co
     DeviceGuard guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(ws->comm->device));
     std::unique_ptr<epmoe::MoELayer> layer;
-    EPMOE_RETURN_IF_ERROR(epmoe::MoELayer::create(*ws->ws, c, &layer, weights ? &refs : nullptr));
+    EPMOE_RETURN_IF_ERROR(epmoe::detail::create_layer_on(*ws->ws, c, local, &layer, weights ? &refs : nullptr));
     auto wrapper = std::make_unique<epmoe_layer>();
     wrapper->layer = layer.release();
     wrapper->comm = ws->comm;

@@ -569,6 +569,11 @@ Status detail::create_layer(Communicator& comm, const LayerConfig& cfg, const St
 
 Status MoELayer::create(Workspace& workspace, const LayerConfig& cfg, std::unique_ptr<MoELayer>* out,
                         const ExpertWeightRefs* weights) {
+  return detail::create_layer_on(workspace, cfg, Status::Ok(), out, weights);
+}
+
+Status detail::create_layer_on(Workspace& workspace, const LayerConfig& cfg, const Status& caller,
+                               std::unique_ptr<MoELayer>* out, const ExpertWeightRefs* weights) {
   if (workspace.closed())
     return invalid("MoELayer::create: the workspace was closed (Workspace::close released its buffers); create the "
                    "layer on an open workspace");
@@ -576,7 +581,9 @@ Status MoELayer::create(Workspace& workspace, const LayerConfig& cfg, std::uniqu
   EPMOE_CUDA_RETURN(cudaSetDevice(state->comm->device()));
   // Agreed for the same reason as above: a layer that fits the workspace on some ranks only must
   // fail on every rank at once, not leave the others waiting in their first collective.
-  Status local = out ? check_fits(workspace.config(), cfg) : invalid("MoELayer::create: out is null");
+  Status local = caller;
+  if (local.ok() && !out) local = invalid("MoELayer::create: out is null");
+  if (local.ok()) local = check_fits(workspace.config(), cfg);
   if (local.ok()) local = gemm::validate_shape(cfg.dtype, cfg.hidden, cfg.intermediate);
   EPMOE_RETURN_IF_ERROR(detail::agree_on_status(*state->comm, local, "MoELayer::create (the workspace fit checks)",
                                                 local.ok() ? cfg.timeout_seconds : LayerConfig{}.timeout_seconds));

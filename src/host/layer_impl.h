@@ -26,5 +26,8 @@ LayerInternals* internals(MoELayer& layer);
 // struct): `caller` joins create's first agreement, so a rank whose wrapper rejected its arguments
 // fails together with its peers, naming itself, instead of returning alone.
 Status create_layer(Communicator& comm, const LayerConfig& cfg, const Status& caller, std::unique_ptr<MoELayer>* out);
+// The same for MoELayer::create on a workspace.
+Status create_layer_on(Workspace& workspace, const LayerConfig& cfg, const Status& caller,
+                       std::unique_ptr<MoELayer>* out, const ExpertWeightRefs* weights);
 
 }  // namespace epmoe::detail

@@ -119,6 +119,47 @@ TEST(CollectiveChecks, CApiLayerCreateAgreesOnOneRanksBadConfig) {
   });
 }
 
+// The same for a layer on a workspace (epmoe_layer_create_on): the C struct's checks and a null
+// out join the create's first agreement.
+TEST(CollectiveChecks, CApiLayerCreateOnAgreesOnOneRanksBadConfig) {
+  const int ranks = case_ranks();
+  if (ranks < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  EPMOE_REQUIRE_RANKS(ranks);
+  run_on_ranks(ranks, [](const RankContext& ctx) {
+    epmoe_comm* comm = nullptr;
+    RANK_OK(c_comm(ctx, &comm));
+    const bool odd = ctx.rank == kOddRank;
+    epmoe_workspace_config wc{};
+    wc.num_ranks = ctx.size;
+    wc.max_experts_per_rank = 2;
+    wc.max_hidden = 512;
+    wc.max_intermediate = 256;
+    wc.max_topk = 2;
+    wc.max_tokens_per_rank = 64;
+    wc.dtype = EPMOE_DTYPE_BF16;
+    wc.timeout_seconds = kTimeout;
+    epmoe_workspace* ws = nullptr;
+    RANK_CAPI(epmoe_workspace_create(comm, &wc, &ws));
+    epmoe_layer* layer = nullptr;
+    epmoe_layer_config c = layer_config(ctx.size);
+    if (odd) c.reserved = 1;
+    auto t0 = std::chrono::steady_clock::now();
+    int rc = epmoe_layer_create_on(ws, &c, nullptr, &layer);
+    RANK_OK(expect_agreed(ctx, rc, "layer create_on (reserved)", "reserved=1 must be 0", seconds_since(t0)));
+    RANK_CHECK(layer == nullptr, ctx, "a failed create returned a layer");
+    c = layer_config(ctx.size);
+    t0 = std::chrono::steady_clock::now();
+    rc = epmoe_layer_create_on(ws, &c, nullptr, odd ? nullptr : &layer);
+    RANK_OK(expect_agreed(ctx, rc, "layer create_on (out)", "out is null", seconds_since(t0)));
+    // The workspace still serves a layer with good arguments everywhere.
+    RANK_CAPI(epmoe_layer_create_on(ws, &c, nullptr, &layer));
+    RANK_CAPI(epmoe_layer_destroy(layer));
+    RANK_CAPI(epmoe_workspace_destroy(ws));
+    RANK_CAPI(epmoe_comm_destroy(comm));
+    return Status::Ok();
+  });
+}
+
 TEST(CollectiveChecks, CApiDispatchCreateAgreesOnOneRanksBadConfig) {
   const int ranks = case_ranks();
   if (ranks < 2) GTEST_SKIP() << "needs >= 2 ranks";
