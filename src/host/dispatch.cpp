@@ -436,6 +436,25 @@ Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream)
 }
 
 namespace detail {
+// The layer's combine: as DispatchHandle::combine, with the done flags left to the next dispatch
+// (CombineParams::defer_done; the layer orders its calls, Layer::forward's serialize).
+Status DispatchAccess::combine_deferred(DispatchHandle& h, void* y, int64_t num_tokens, cudaStream_t stream) {
+  DispatchHandle::Impl& m = *h.impl_;
+  if (misaligned(y, 16)) return detail::invalid("combine: y=", y, " must be 16-byte aligned");
+  if (m.last_tokens < 0) return detail::invalid("combine: no dispatch has been issued on this handle");
+  if (num_tokens != m.last_tokens)
+    return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
+  if (num_tokens > 0 && !y)
+    return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
+  if (m.ws->never_arrive) return Status::Ok();
+  comm::CombineParams p = combine_params(h, y);
+  p.defer_done = 1;
+  EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens, comm::kCombineThreads / 32), stream));
+  return Status::Ok();
+}
+}  // namespace detail
+
+namespace detail {
 
 comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, const void* x, const void* topk_idx,
                                                      IndexType idx_type, const float* topk_weights, int64_t num_tokens) {

@@ -319,6 +319,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       const heuristics::Tuning t = tuning(num_tokens);
       fp.l1.weights_evict_first = fp.l2.weights_evict_first = t.weights_evict_first ? 1 : 0;
       fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
+      fp.combine.defer_done = 1;  // the next call's dispatch releases them (forward serializes calls)
       fp.phase_ts = nullptr;
       fp.prefetch_k_blocks = t.fused_prefetch_k_blocks;
       fp.b_first = t.fused_b_first ? 1 : 0;
@@ -364,7 +365,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     record(2, stream);
     if (st.ok()) st = gemm::launch(plan_l2_, stream, evict_first);
     record(3, stream);
-    Status combined = dispatch_->combine(y, num_tokens, stream);
+    Status combined = detail::DispatchAccess::combine_deferred(*dispatch_, y, num_tokens, stream);
     record(4, stream);
     if (!st.ok()) return explain_cuda_error(st, stream);
     if (!combined.ok()) return explain_cuda_error(combined, stream);

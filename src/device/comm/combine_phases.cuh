@@ -212,8 +212,13 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   }
   if (stamps_phase_end(had_a)) stamp_phase(p.phase_ts, kCombinePartials);
   diag::trace(diag::kCombA);
-  if (arrive_is_last_block(arrive_a) && threadIdx.x < R)
-    ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
+  if (arrive_is_last_block(arrive_a)) {
+    if (threadIdx.x < R)
+      ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
+    // Every block has read the epoch word (at its start, before this arrival): the next call may
+    // find the new one. Here rather than in phase C, which a deferred call skips.
+    if (threadIdx.x == 0) ptx::st_relaxed_gpu(epoch_word, epoch);
+  }
   diag::trace(diag::kCombArrivedA);
 
   // Phase B.
@@ -232,12 +237,9 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   if (stamps_phase_end(had_b)) stamp_phase(p.phase_ts, kCombineEnd);
   diag::trace(diag::kCombB);
 
-  // Phase C.
-  if (arrive_is_last_block(arrive_c)) {
-    if (threadIdx.x < R)
-      ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
-    if (threadIdx.x == 0) ptx::st_relaxed_gpu(epoch_word, epoch);
-  }
+  // Phase C (unless deferred to the next dispatch, CombineParams::defer_done).
+  if (!p.defer_done && arrive_is_last_block(arrive_c) && threadIdx.x < R)
+    ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), epoch);
   diag::trace(diag::kCombEnd);
 }
 

@@ -63,6 +63,12 @@ struct CombineParams {
   uint64_t timeout_ns;
   layout::TimeoutRecord* timeout_record;  // the same record as the dispatch's
   unsigned long long* phase_ts;       // optional, [kCommPhaseCount] (see CommPhase)
+  // 1: no phase C. The "done reading your partials" flags of this call are released by the next
+  // dispatch on this workspace (at its start: the kernel boundary orders this call's reads before
+  // it), so the kernel ends one arrival and one round of system-scope stores earlier. Only for
+  // calls whose next call is ordered after them on the device: the layer's (it serializes its
+  // calls), never the standalone combine().
+  int defer_done;
 };
 
 inline constexpr int kCommThreads = 512;

@@ -106,6 +106,15 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStart, true);
   diag::trace(diag::kDispEntry);
 
+  // The previous combine's "done reading your partials" flags, if it deferred them
+  // (CombineParams::defer_done): that kernel ended before this one started, so every read of it is
+  // ordered before these releases. A repeated release of an epoch already released is harmless
+  // (the flags only grow). From the last block: a small call's work sits on the first ones.
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < R) {
+    const uint64_t combined = ptx::ld_ca_u64(reinterpret_cast<const uint64_t*>(ws + loc.combine_epoch_offset()));
+    ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), combined);
+  }
+
   // Phase 0: our staging and the counts we wrote last call may still be read by a destination.
   if (threadIdx.x < R)
     wait_geq_acquire_sys(site, flag_ptr(me, sym, layout::kFlagDispatchReadDone, threadIdx.x), epoch - 1,
