@@ -2,9 +2,11 @@
 // launched kernel of kWarps warps per block can call: the standalone combine kernel
 // (sm90_combine.cu, 12 warps) and the fused megakernel (sm90_fused_moe.cuh, 12 warps).
 //   0  wait until every source finished reading the partials we pushed last call (epoch - 1)
-//   A  partial sums -> source ranks' symmetric buffers; last block flags combine_ready
+//   A  partial sums -> source ranks' symmetric buffers; last block flags combine_ready and
+//      advances the epoch
 //   B  wait for every expert rank's partials; y[t] = bf16(sum over ranks with a valid slot)
-//   C  last block: tell every expert rank we are done reading, advance the epoch
+//   C  last block: tell every expert rank we are done reading (skipped in the layer's calls:
+//      the next dispatch does it, CombineParams::defer_done)
 // The result does not depend on kWarps or the grid: every token is summed in slot order, then
 // in rank order, by one warp.
 #pragma once

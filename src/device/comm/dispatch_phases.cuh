@@ -1,6 +1,8 @@
 // The phases of the dispatch (docs/COMM.md), as one device function that any cooperatively
 // launched kernel of kWarps warps per block can call: the standalone dispatch kernel
 // (sm90_dispatch.cu, 16 warps) and the fused megakernel (sm90_fused_moe.cuh, 12 warps).
+//   -- last block: tell every expert rank we are done reading the last combine's partials (the
+//      combine's phase C when that combine deferred it; a repeat is harmless)
 //   0  wait until every destination finished pulling our previous staging (epoch - 1)
 //   1  mask out-of-range experts, take row positions per (this source, expert), quantize/stage tokens
 //   -- grid barrier; block 0 publishes per-destination counts and T, then flags dispatch_ready

@@ -5,9 +5,11 @@
 //
 // Phases:
 //   0  wait until every source finished reading the partials we pushed last call (epoch - 1)
-//   A  partial sums -> source ranks' symmetric buffers; last block flags combine_ready
+//   A  partial sums -> source ranks' symmetric buffers; last block flags combine_ready and
+//      advances the epoch
 //   B  wait for every expert rank's partials; y[t] = bf16(sum over ranks with a valid slot)
-//   C  last block: tell every expert rank we are done reading, advance the epoch
+//   C  last block: tell every expert rank we are done reading (skipped in the layer's calls:
+//      the next dispatch does it, CombineParams::defer_done)
 #include <cuda_runtime.h>
 
 #include "device/comm/combine_phases.cuh"

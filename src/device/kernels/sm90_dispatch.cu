@@ -5,6 +5,8 @@
 // all its local experts from registers, so no second local pass over the pool is needed.
 //
 // Phases (docs/COMM.md has the full protocol):
+//   -- last block: tell every expert rank we are done reading the last combine's partials (the
+//      combine's phase C when that combine deferred it; a repeat is harmless)
 //   0  wait until every destination finished pulling our previous staging (epoch - 1)
 //   1  mask out-of-range experts, take row positions per (this source, expert), quantize/stage tokens
 //   -- grid barrier; block 0 publishes per-destination counts and T, then flags dispatch_ready
