@@ -422,33 +422,21 @@ Status detail::DispatchAccess::dispatch_typed(DispatchHandle& h, const void* x, 
 }
 
 Status DispatchHandle::combine(void* y, int64_t num_tokens, cudaStream_t stream) {
-  Impl& m = *impl_;
-  // Why: the kernel stores y in 16-byte vectors.
-  if (misaligned(y, 16)) return detail::invalid("combine: y=", y, " must be 16-byte aligned");
-  if (m.last_tokens < 0) return detail::invalid("combine: no dispatch has been issued on this handle");
-  if (num_tokens != m.last_tokens)
-    return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
-  if (num_tokens > 0 && !y) return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
-  if (m.ws->never_arrive) return Status::Ok();
-  const comm::CombineParams p = detail::DispatchAccess::combine_params(*this, y);
-  EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens, comm::kCombineThreads / 32), stream));
-  return Status::Ok();
+  return detail::DispatchAccess::combine(*this, y, num_tokens, stream, /*defer_done=*/false);
 }
 
 namespace detail {
-// The layer's combine: as DispatchHandle::combine, with the done flags left to the next dispatch
-// (CombineParams::defer_done; the layer orders its calls, Layer::forward's serialize).
-Status DispatchAccess::combine_deferred(DispatchHandle& h, void* y, int64_t num_tokens, cudaStream_t stream) {
+Status DispatchAccess::combine(DispatchHandle& h, void* y, int64_t num_tokens, cudaStream_t stream, bool defer_done) {
   DispatchHandle::Impl& m = *h.impl_;
-  if (misaligned(y, 16)) return detail::invalid("combine: y=", y, " must be 16-byte aligned");
-  if (m.last_tokens < 0) return detail::invalid("combine: no dispatch has been issued on this handle");
+  // Why: the kernel stores y in 16-byte vectors.
+  if (misaligned(y, 16)) return invalid("combine: y=", y, " must be 16-byte aligned");
+  if (m.last_tokens < 0) return invalid("combine: no dispatch has been issued on this handle");
   if (num_tokens != m.last_tokens)
-    return detail::invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
-  if (num_tokens > 0 && !y)
-    return detail::invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
+    return invalid("combine: num_tokens=", num_tokens, " must equal the last dispatch's ", m.last_tokens);
+  if (num_tokens > 0 && !y) return invalid("combine: y must be non-null when num_tokens=", num_tokens, " > 0");
   if (m.ws->never_arrive) return Status::Ok();
   comm::CombineParams p = combine_params(h, y);
-  p.defer_done = 1;
+  p.defer_done = defer_done ? 1 : 0;
   EPMOE_CUDA_RETURN(comm::launch_combine(p, m.blocks_for(num_tokens, comm::kCombineThreads / 32), stream));
   return Status::Ok();
 }

@@ -28,9 +28,9 @@ struct DispatchAccess {
   static Status dispatch_typed(DispatchHandle& h, const void* x, const void* topk_idx, IndexType idx_type,
                                const float* topk_weights, int64_t num_tokens, cudaStream_t stream);
   static comm::CombineParams combine_params(const DispatchHandle& h, void* y);
-  // DispatchHandle::combine for the layer, whose calls are ordered on the device: the done flags are
-  // released by the next dispatch (comm::CombineParams::defer_done).
-  static Status combine_deferred(DispatchHandle& h, void* y, int64_t num_tokens, cudaStream_t stream);
+  // DispatchHandle::combine; defer_done (the layer, whose calls are ordered on the device): the done
+  // flags are released by the next dispatch (comm::CombineParams::defer_done).
+  static Status combine(DispatchHandle& h, void* y, int64_t num_tokens, cudaStream_t stream, bool defer_done);
   // Test builds: the never-arrive hook (detail::set_debug_never_arrive_rank) names this rank:
   // launch nothing (the fused path must honour it too). Always false in other builds.
   static bool never_arrive(const DispatchHandle& h);

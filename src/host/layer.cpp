@@ -365,7 +365,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     record(2, stream);
     if (st.ok()) st = gemm::launch(plan_l2_, stream, evict_first);
     record(3, stream);
-    Status combined = detail::DispatchAccess::combine_deferred(*dispatch_, y, num_tokens, stream);
+    Status combined = detail::DispatchAccess::combine(*dispatch_, y, num_tokens, stream, /*defer_done=*/true);
     record(4, stream);
     if (!st.ok()) return explain_cuda_error(st, stream);
     if (!combined.ok()) return explain_cuda_error(combined, stream);
