@@ -68,26 +68,6 @@ int guarded(Body&& body) {
                 "landed when the library was configured); rebuild after it does");
 }
 
-// Makes `device` current for one call and restores the caller's device afterwards (the caller is
-// often a framework with its own notion of the current device).
-class DeviceGuard {
- public:
-  Status enter(int device) {
-    EPMOE_CUDA_RETURN(cudaGetDevice(&prev_));
-    if (prev_ != device) {
-      EPMOE_CUDA_RETURN(cudaSetDevice(device));
-      changed_ = true;
-    }
-    return Status::Ok();
-  }
-  ~DeviceGuard() {
-    if (changed_) (void)cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
-  bool changed_ = false;
-};
 
 Status to_config(const epmoe_layer_config* c, epmoe::LayerConfig* out) {
   if (!c) return invalid("config is null");
@@ -306,7 +286,7 @@ int epmoe_transform_w13(int dtype, const void* w13, const float* w13_scale, void
       EPMOE_RETURN_IF_ERROR(device_of(o.p, o.name, &d));
       if (d != device) return invalid("transform_w13: ", o.name, " is on device ", d, " but w13 on device ", device);
     }
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(device));
     return epmoe::transform_w13(static_cast<epmoe::DType>(dtype), w13, w13_scale, out, out_scale, experts_per_rank,
                                 intermediate, hidden, static_cast<cudaStream_t>(stream));
@@ -364,7 +344,7 @@ int epmoe_comm_create(const uint8_t* unique_id, int rank, int size, int device, 
     EPMOE_RETURN_IF_ERROR(check_device_index(device));
     ncclUniqueId id;
     std::memcpy(&id, unique_id, sizeof(id));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(device));
     // Everything else is agreed with every rank inside the create.
     std::unique_ptr<epmoe_comm> wrapper(new (std::nothrow) epmoe_comm());
@@ -385,7 +365,7 @@ int epmoe_comm_from_nccl(uintptr_t nccl_comm, epmoe_comm** out) {
     auto comm = reinterpret_cast<ncclComm_t>(nccl_comm);
     int device = -1;
     EPMOE_NCCL_RETURN(ncclCommCuDevice(comm, &device));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(device));
     std::unique_ptr<epmoe_comm> wrapper(new (std::nothrow) epmoe_comm());
     Status local = out ? Status::Ok() : invalid("out is null");
@@ -410,7 +390,7 @@ int epmoe_comm_destroy(epmoe_comm* comm) {
   return guarded([&]() -> Status {
     if (!comm) return Status::Ok();
     if (comm->comm) {
-      DeviceGuard guard;
+      epmoe::detail::DeviceScope guard;
       // Free even if the device switch failed, and report success: the object is gone either way, and
       // a non-OK return would tell the caller it still holds it (Python would free it again).
       (void)guard.enter(comm->device);
@@ -434,7 +414,7 @@ int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config* cfg, epmoe_la
     if (out) *out = nullptr;
     // Without a communicator (and its device) this rank cannot take part: it fails alone.
     if (!comm || !comm->comm) return invalid("comm is null");
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
     // Every other check joins the create's first agreement: a rank that returned here alone would
     // leave its peers waiting in it until their timeout.
@@ -480,7 +460,7 @@ int epmoe_layer_load_weights(epmoe_layer* layer, const void* w1, const float* w1
     w.w2 = w2;
     w.w2_scale = w2_scale;
     w.on_device = on_device != 0;
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->load_weights(w, static_cast<cudaStream_t>(stream));
   });
@@ -494,7 +474,7 @@ int epmoe_layer_forward(epmoe_layer* layer, const void* x, const int32_t* topk_i
     if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED)
       return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0) or EPMOE_PATH_FUSED (1)");
     EPMOE_RETURN_IF_ERROR(epmoe::validate_call(layer->cfg, num_tokens, x, topk_idx, topk_weights, y));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->forward(x, topk_idx, topk_weights, y, num_tokens,
                                  static_cast<cudaStream_t>(stream), static_cast<epmoe::Path>(path));
@@ -520,7 +500,7 @@ int epmoe_layer_forward_ex(epmoe_layer* layer, const void* x, const void* topk_i
     a.expert_counts = expert_counts;
     a.expert_counts_total = expert_counts_total;
     EPMOE_RETURN_IF_ERROR(epmoe::validate_call(layer->cfg, num_tokens, x, topk_idx, a.idx_type, topk_weights, y));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->forward(a, static_cast<cudaStream_t>(stream), static_cast<epmoe::Path>(path));
   });
@@ -536,7 +516,7 @@ int epmoe_workspace_create(epmoe_comm* comm, const epmoe_workspace_config* cfg, 
     epmoe::WorkspaceConfig c;
     EPMOE_RETURN_IF_ERROR(to_ws_config(cfg, &c));
     if (c.num_ranks == 0) c.num_ranks = comm->size;
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
     std::unique_ptr<epmoe::Workspace> ws;
     EPMOE_RETURN_IF_ERROR(epmoe::Workspace::create(*comm->comm, c, &ws));
@@ -588,7 +568,7 @@ int epmoe_workspace_destroy(epmoe_workspace* ws) {
   return guarded([&]() -> Status {
     if (!ws) return Status::Ok();
     if (ws->ws) {
-      DeviceGuard guard;
+      epmoe::detail::DeviceScope guard;
       // Release even if the device switch failed (see epmoe_comm_destroy).
       (void)guard.enter(ws->comm->device);
       // Why close first: it fails (and releases nothing) while a layer created on this workspace
@@ -620,7 +600,7 @@ int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_config* cfg, co
       refs.w2 = weights->w2;
       refs.w2_scale = weights->w2_scale;
     }
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(ws->comm->device));
     std::unique_ptr<epmoe::MoELayer> layer;
     EPMOE_RETURN_IF_ERROR(epmoe::detail::create_layer_on(*ws->ws, c, local, &layer, weights ? &refs : nullptr));
@@ -636,7 +616,7 @@ int epmoe_layer_create_on(epmoe_workspace* ws, const epmoe_layer_config* cfg, co
 int epmoe_layer_check_device_error(epmoe_layer* layer, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_layer(layer));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->check_device_error(static_cast<cudaStream_t>(stream));
   });
@@ -647,7 +627,7 @@ int epmoe_layer_destroy(epmoe_layer* layer) {
     if (!layer) return Status::Ok();
     std::unique_ptr<epmoe_layer> owned(layer);
     if (owned->layer) {
-      DeviceGuard guard;
+      epmoe::detail::DeviceScope guard;
       // Free even if the device switch failed, and report success (see epmoe_comm_destroy).
       (void)guard.enter(owned->comm->device);
       delete owned->layer;
@@ -664,7 +644,7 @@ int epmoe_dispatch_create(epmoe_comm* comm, const epmoe_dispatch_config* cfg, ep
     if (out) *out = nullptr;
     // Without a communicator (and its device) this rank cannot take part: it fails alone.
     if (!comm || !comm->comm) return invalid("comm is null");
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(comm->device));
     // Every other check joins the create's first agreement (see epmoe_layer_create).
     std::unique_ptr<epmoe_dispatch> wrapper(new (std::nothrow) epmoe_dispatch());
@@ -708,7 +688,7 @@ int epmoe_dispatch_run(epmoe_dispatch* h, const void* x, const int32_t* topk_idx
                        const float* topk_weights, int64_t num_tokens, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_dispatch(h));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
     return h->handle->dispatch(x, topk_idx, topk_weights, num_tokens,
                                static_cast<cudaStream_t>(stream));
@@ -718,7 +698,7 @@ int epmoe_dispatch_run(epmoe_dispatch* h, const void* x, const int32_t* topk_idx
 int epmoe_combine_run(epmoe_dispatch* h, void* y, int64_t num_tokens, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_dispatch(h));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
     return h->handle->combine(y, num_tokens, static_cast<cudaStream_t>(stream));
   });
@@ -727,7 +707,7 @@ int epmoe_combine_run(epmoe_dispatch* h, void* y, int64_t num_tokens, void* stre
 int epmoe_dispatch_check_errors(epmoe_dispatch* h, void* stream) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_dispatch(h));
-    DeviceGuard guard;
+    epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(h->comm->device));
     return h->handle->check_errors(static_cast<cudaStream_t>(stream));
   });
@@ -738,7 +718,7 @@ int epmoe_dispatch_destroy(epmoe_dispatch* h) {
     if (!h) return Status::Ok();
     std::unique_ptr<epmoe_dispatch> owned(h);
     if (owned->handle) {
-      DeviceGuard guard;
+      epmoe::detail::DeviceScope guard;
       // Free even if the device switch failed, and report success (see epmoe_comm_destroy).
       (void)guard.enter(owned->comm->device);
       delete owned->handle;

@@ -49,3 +49,31 @@ Status invalid(Args&&... args) {
 // After a kernel launch: the launch error, without synchronizing.
 #define EPMOE_LAUNCH_CHECK(name) \
   EPMOE_RETURN_IF_ERROR(::epmoe::detail::cuda_status(cudaGetLastError(), "launch of " name, __FILE__, __LINE__))
+
+namespace epmoe::detail {
+
+// Makes `device` current until the end of the scope, then restores the caller's device (the caller
+// is often a framework with its own notion of the current device).
+class DeviceScope {
+ public:
+  DeviceScope() = default;
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  Status enter(int device) {
+    EPMOE_CUDA_RETURN(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      EPMOE_CUDA_RETURN(cudaSetDevice(device));
+      changed_ = true;
+    }
+    return Status::Ok();
+  }
+  ~DeviceScope() {
+    if (changed_) (void)cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+  bool changed_ = false;
+};
+
+}  // namespace epmoe::detail

@@ -158,26 +158,6 @@ Status Communicator::wrap(ncclComm_t comm, std::unique_ptr<Communicator>* out, d
 
 namespace {
 
-// Makes `device` current until the end of the scope, then restores the previous one.
-class DeviceScope {
- public:
-  Status enter(int device) {
-    EPMOE_CUDA_RETURN(cudaGetDevice(&prev_));
-    if (prev_ != device) {
-      EPMOE_CUDA_RETURN(cudaSetDevice(device));
-      changed_ = true;
-    }
-    return Status::Ok();
-  }
-  ~DeviceScope() {
-    if (changed_) (void)cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
-  bool changed_ = false;
-};
-
 // ncclCommInitRank on `device`, bounded by timeout_s. Why a helper thread: the init blocks until
 // every rank has joined, NCCL does not bound that wait, and a rank that failed its own argument
 // checks (or died) never joins. On a timeout the thread is left behind (it may stay blocked until
@@ -256,7 +236,7 @@ Status Communicator::init(std::shared_ptr<Impl> impl, const Status& caller, doub
   }
   // Why the communicator's device whatever the current one: a rank whose check failed still takes
   // part in the agreement, whose exchange runs there.
-  DeviceScope scope;
+  detail::DeviceScope scope;
   EPMOE_RETURN_IF_ERROR(scope.enter(impl->device));
   if (local.ok())
     local = detail::cuda_status(cudaDeviceGetAttribute(&impl->sms, cudaDevAttrMultiProcessorCount, impl->device),
