@@ -355,6 +355,16 @@ TEST(LayerSoak, FusedTenThousandCallsFreshRouting) {
   run_case(c, 2, 500);
 }
 
+// The same soak on the pipeline path (dispatch, two GEMM kernels, combine per call).
+TEST(LayerSoak, PipelineTenThousandCallsFreshRouting) {
+  EPMOE_REQUIRE_RANKS(test_ranks(2));
+  LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {96, 64});
+  c.calls = 10000;
+  c.check_every = 2000;
+  c.sample_per_rank = 64;
+  run_case(c, 2, 500);
+}
+
 // Calls alternate between the paths on one layer: both share the dispatch/combine epochs and the
 // pool, so a fused call right after a pipeline call (and back) must see consistent state.
 TEST(LayerE2EFused, AlternatingPaths) {
