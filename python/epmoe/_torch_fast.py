@@ -7,9 +7,10 @@ that host time is longer than the GPU's work (one token per rank runs in ~75 us 
 Qwen3-like shape), so it became the call's time. Here a call costs attribute reads and one C call.
 
 Taken only where it means exactly what the DLPack path means: every tensor a strided torch CUDA
-tensor of the SPEC dtype (topk_idx int32 or int64), no explicit stream (the DLPack path then tells
-torch -1: no synchronization, run on torch's current stream) and no expert counts requested. Anything else, and any argument that fails a
-check, goes to the DLPack path, whose messages name the argument."""
+tensor of the SPEC dtype (topk_idx int32 or int64), no explicit stream or an explicit one that is
+torch's current stream (is_current_stream; the DLPack path then has nothing to order: the inputs
+were made on that stream) and no expert counts requested. Anything else, and any argument that
+fails a check, goes to the DLPack path, whose messages name the argument."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ _STRIDED = torch.strided
 # Why the private call: torch's own generated code (inductor) uses it; torch.cuda.current_stream()
 # builds a Stream object per call.
 _raw_stream = torch._C._cuda_getCurrentRawStream
+
+
+def is_current_stream(stream: Any, dev: int, raw_stream: Any = None) -> bool:
+    """Whether `stream` (a torch.cuda.Stream, or a cudaStream_t int) is torch's current stream on
+    `dev`. Anything else (another stream, another kind of object) is False: the DLPack path."""
+    handle = stream if type(stream) is int else getattr(stream, "cuda_stream", None)
+    return type(handle) is int and handle == (raw_stream or _raw_stream)(dev)
 
 
 def _ok(v: Any, dtype: Any, dev: int, rows: int, cols: int) -> bool:

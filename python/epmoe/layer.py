@@ -290,8 +290,8 @@ class Layer:
         handle = self._live_handle()
         path_code = choice_arg("path", path, PATHS)
         c = self.config
-        if (stream is None and expert_counts is None and expert_counts_total is None
-                and type(x).__module__.startswith("torch")):
+        if (expert_counts is None and expert_counts_total is None and type(x).__module__.startswith("torch")
+                and (stream is None or self._is_torch_current_stream(stream))):
             from . import _torch_fast
             taken, result, status = _torch_fast.forward(
                 _lib.lib().epmoe_layer_forward_ex, handle, self.device, c.hidden, c.topk,
@@ -360,6 +360,12 @@ class Layer:
         if self._handle is None:
             raise InvalidArgument("this Layer was closed")
         return self._handle
+
+    def _is_torch_current_stream(self, stream: Any) -> bool:
+        """An explicit stream that is torch's current one takes the hot path (engines pass
+        stream=torch.cuda.current_stream()): the DLPack path would order nothing there."""
+        from . import _torch_fast
+        return _torch_fast.is_current_stream(stream, self.device)
 
     def _default_stream(self) -> int:
         import sys

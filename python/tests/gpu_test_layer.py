@@ -390,17 +390,24 @@ def check_cupy(res, layer, cfg, device, path, tol, w1d, w2d, gen):
 
 def check_hot_path(res, layer, cfg, rank, device, path, gen):
     """Layer.__call__'s torch hot path (epmoe/_torch_fast.py) against the DLPack path, which an
-    explicit stream selects: bitwise the same output; and the host time of each (info)."""
+    explicit stream other than torch's current one selects: bitwise the same output; an explicit
+    current stream takes the hot path (same output); and the host time of each (info)."""
     import time
     import torch
     x, idx, wts = make_inputs(cfg, 5 + 2 * rank, gen, device)
+    other = torch.cuda.Stream(device)
     y_fast = layer(x, idx, wts, path=path)
-    y_dlpack = layer(x, idx, wts, path=path, stream=torch.cuda.current_stream())
+    y_dlpack = layer(x, idx, wts, path=path, stream=other)
+    torch.cuda.current_stream().wait_stream(other)
+    y_current = layer(x, idx, wts, path=path, stream=torch.cuda.current_stream())
     torch.cuda.synchronize()
     res.record(f"torch hot path == DLPack path ({path})", torch.equal(y_fast, y_dlpack),
                f"T={x.shape[0]}")
+    res.record(f"stream=current_stream() == hot path ({path})", torch.equal(y_fast, y_current),
+               f"T={x.shape[0]}")
     stream = torch.cuda.current_stream()
-    for name, kw in (("hot path", {}), ("DLPack path", {"stream": stream})):
+    for name, kw in (("hot path", {}), ("stream=current_stream()", {"stream": stream}),
+                     ("DLPack path", {"stream": other})):
         torch.cuda.synchronize()
         agree(True)  # every rank starts together: the calls are collective
         t0 = time.perf_counter()

@@ -152,9 +152,22 @@ def test_hot_path_not_taken_on_bad_arguments(case, calls):
 
 
 def test_explicit_stream_takes_the_dlpack_path(calls):
-    """With stream= given, torch must order its pending work before that stream (the DLPack
-    export does it): no hot path. On the CPU stand-in the DLPack path then refuses the tensors."""
+    """With another stream= given, torch must order its pending work before that stream (the
+    DLPack export does it): no hot path. On the CPU stand-in the DLPack path then refuses the
+    tensors."""
     x, idx, w = inputs()
-    with pytest.raises(epmoe.InvalidArgument, match="CUDA"):
-        fake_layer()(x, idx, w, stream=7)
+    for other in (7, SimpleNamespace(cuda_stream=7), True, "stream"):
+        with pytest.raises(epmoe.InvalidArgument, match="CUDA|stream"):
+            fake_layer()(x, idx, w, stream=other)
     assert calls == []
+
+
+@pytest.mark.parametrize("current", [STREAM, SimpleNamespace(cuda_stream=STREAM)],
+                         ids=["int", "torch.cuda.Stream-like"])
+def test_explicit_current_stream_takes_the_hot_path(current, calls):
+    """stream=torch.cuda.current_stream() (or its handle) has nothing to order: the hot path, on
+    that stream."""
+    x, idx, w = inputs()
+    y = fake_layer()(x, idx, w, stream=current)
+    assert y.shape == (5, GOOD["hidden"]) and y.dtype is torch.bfloat16
+    assert len(calls) == 1 and calls[0][9] == STREAM
