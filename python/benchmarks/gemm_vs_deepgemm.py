@@ -345,7 +345,7 @@ def run_shape(ctx, sh: Shape) -> dict:
                                "epmoe_l2": kernels_launched(torch, lambda: lib.launch(plans["epmoe_l2"], raw, 1))}
             print("  one call launches: " + "; ".join(f"{n}: {v}" for n, v in rec["launched"].items()), flush=True)
         check_outputs(torch, rec, t, sh, d_dg, d_l2, l1, args.tol)
-        if rec["ok"]:
+        if rec["ok"] or args.time_failed:
             time_in_turns(ctx, rec, sh, dg_call, plans)
     finally:
         torch.cuda.synchronize()
@@ -665,6 +665,9 @@ def parse_args(argv):
     p.add_argument("--no-kernel-list", dest="kernel_list", action="store_false",
                    help="skip listing (torch profiler) the GPU activities of one DeepGEMM and one epmoe call")
     p.add_argument("--tol", type=float, default=1e-2, help="bound of the rel err against the fp32 reference")
+    p.add_argument("--time-failed", action="store_true",
+                   help="time a shape even when an output check failed (experiment builds that skip work, "
+                        "e.g. loads only); the run still ends FAILED")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--lib", help=f"path of {LIB_NAME}")
