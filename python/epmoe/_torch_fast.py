@@ -9,8 +9,9 @@ Qwen3-like shape), so it became the call's time. Here a call costs attribute rea
 Taken only where it means exactly what the DLPack path means: every tensor a strided torch CUDA
 tensor of the SPEC dtype (topk_idx int32 or int64), no explicit stream or an explicit one that is
 torch's current stream (is_current_stream; the DLPack path then has nothing to order: the inputs
-were made on that stream) and no expert counts requested. Anything else, and any argument that
-fails a check, goes to the DLPack path, whose messages name the argument."""
+were made on that stream), and expert counts, if asked for, in torch tensors of their dtype and
+shape. Anything else, and any argument that fails a check, goes to the DLPack path, whose messages
+name the argument."""
 
 from __future__ import annotations
 
@@ -38,12 +39,23 @@ def _ok(v: Any, dtype: Any, dev: int, rows: int, cols: int) -> bool:
             and v.is_contiguous())
 
 
+def _ok1(v: Any, dtype: Any, dev: int, n: int) -> bool:
+    return (type(v) is torch.Tensor and v.dtype is dtype and v.layout is _STRIDED and v.dim() == 1
+            and v.shape[0] == n and v.get_device() == dev and v.is_contiguous())
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[1] > 0 and b[1] > 0 and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+
 def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_max: int,
             x: Any, topk_idx: Any, topk_weights: Any, out: Any, path_code: int,
-            idx_int32: int, idx_int64: int, raw_stream: Any = _raw_stream) -> tuple[bool, Any, int]:
-    """(True, out, status of the C call `c_forward_ex` (epmoe_layer_forward_ex, no expert
-    counts)), the caller raising for a nonzero status; or (False, None, 0): not taken, nothing done
-    (no allocation, no call). topk_idx may be int32 or int64 (idx_int32 / idx_int64: the C codes)."""
+            idx_int32: int, idx_int64: int, raw_stream: Any = _raw_stream, *,
+            counts: Any = None, totals: Any = None, e_loc: int = 0) -> tuple[bool, Any, int]:
+    """(True, out, status of the C call `c_forward_ex` (epmoe_layer_forward_ex)), the caller
+    raising for a nonzero status; or (False, None, 0): not taken, nothing done (no allocation, no
+    call). topk_idx may be int32 or int64 (idx_int32 / idx_int64: the C codes). counts / totals:
+    the optional expert counts (int32 [e_loc]) and running totals (int64 [e_loc])."""
     if type(x) is not torch.Tensor or x.dim() != 2 or type(topk_idx) is not torch.Tensor:
         return False, None, 0
     t = x.shape[0]
@@ -56,18 +68,31 @@ def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_
     isize = 8 if wide else 4
     if t and (xp % 16 or ip % isize or wp % 4):
         return False, None, 0
+    # The byte ranges the kernels read (t = 0: none) and the expert counts' (written).
+    inputs = [(xp, t * hidden * 2), (ip, t * topk * isize), (wp, t * topk * 4)]
+    written = []
+    for v, dtype, size in ((counts, _I32, 4), (totals, _I64, 8)):
+        if v is None:
+            written.append((0, 0))
+            continue
+        if not _ok1(v, dtype, dev, e_loc) or v.data_ptr() % size:
+            return False, None, 0
+        r = (v.data_ptr(), e_loc * size)
+        # Written buffers may share memory with nothing else: the DLPack path's no_overlap check.
+        if any(_overlap(r, u) for u in inputs + written):
+            return False, None, 0
+        written.append(r)
     if out is None:
         out = torch.empty((t, hidden), dtype=_BF16, device=x.device)
     elif not _ok(out, _BF16, dev, t, hidden) or (t and out.data_ptr() % 16):
         return False, None, 0
     op = out.data_ptr()
-    if t:
-        # The output may not share memory with an input (peers read the inputs while it is
-        # written): the DLPack path's no_overlap check, on the same byte ranges.
-        lo, hi = op, op + t * hidden * 2
-        for p, n in ((xp, t * hidden * 2), (ip, t * topk * isize), (wp, t * topk * 4)):
-            if p < hi and lo < p + n:
-                return False, None, 0
+    # The output may not share memory with an input (peers read the inputs while it is written)
+    # nor with the expert counts: the DLPack path's no_overlap check, on the same byte ranges.
+    ro = (op, t * hidden * 2)
+    if any(_overlap(ro, u) for u in inputs + written):
+        return False, None, 0
     status = c_forward_ex(handle, xp or None, ip or None, idx_int64 if wide else idx_int32,
-                          wp or None, op or None, t, None, None, raw_stream(dev), path_code)
+                          wp or None, op or None, t, written[0][0] or None, written[1][0] or None,
+                          raw_stream(dev), path_code)
     return True, out, status

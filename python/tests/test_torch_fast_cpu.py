@@ -66,13 +66,45 @@ def test_hot_path_passes_int64_indices_as_they_are(calls):
                       y.data_ptr(), 5, None, None, STREAM, _lib.PATH_PIPELINE)]
 
 
-def test_expert_counts_take_the_dlpack_path(calls):
-    """The hot path passes no counts: a call that asks for them must not take it."""
+E_LOC = GOOD["num_experts"] // GOOD["num_ranks"]
+
+
+def test_hot_path_passes_the_expert_counts(calls):
     x, idx, w = inputs()
-    counts = torch.zeros(GOOD["num_experts"] // GOOD["num_ranks"], dtype=torch.int32)
-    with pytest.raises(epmoe.InvalidArgument, match="CUDA"):
-        fake_layer()(x, idx, w, expert_counts=counts)
-    assert calls == []
+    counts = torch.zeros(E_LOC, dtype=torch.int32)
+    totals = torch.zeros(E_LOC, dtype=torch.int64)
+    y = fake_layer()(x, idx, w, expert_counts=counts, expert_counts_total=totals)
+    assert len(calls) == 1
+    assert calls[0][7:9] == (counts.data_ptr(), totals.data_ptr())
+    assert calls[0][5] == y.data_ptr()
+    fake_layer()(x, idx, w, expert_counts_total=totals)
+    assert calls[1][7:9] == (None, totals.data_ptr())
+
+
+def _bad_counts():
+    """Expert-count arguments the hot path must leave to the DLPack path, which names them."""
+    x, idx, w = inputs()
+    y = torch.empty(5, GOOD["hidden"], dtype=torch.bfloat16)
+    shared = torch.zeros(E_LOC, dtype=torch.int64)  # totals, with the counts in its first bytes
+    return x, idx, w, y, [
+        ("counts int64", dict(expert_counts=torch.zeros(E_LOC, dtype=torch.int64))),
+        ("counts of E_loc + 1", dict(expert_counts=torch.zeros(E_LOC + 1, dtype=torch.int32))),
+        ("counts strided", dict(expert_counts=torch.zeros(2 * E_LOC, dtype=torch.int32)[::2])),
+        ("counts 2-D", dict(expert_counts=torch.zeros(1, E_LOC, dtype=torch.int32))),
+        ("totals int32", dict(expert_counts_total=torch.zeros(E_LOC, dtype=torch.int32))),
+        ("counts inside out", dict(out=y, expert_counts=y.view(torch.int32).reshape(-1)[:E_LOC])),
+        ("counts inside x", dict(expert_counts=x.view(torch.int32).reshape(-1)[:E_LOC])),
+        ("totals over counts", dict(expert_counts=shared.view(torch.int32)[:E_LOC],
+                                    expert_counts_total=shared)),
+    ]
+
+
+def test_bad_expert_counts_take_the_dlpack_path(calls):
+    x, idx, w, y, cases = _bad_counts()
+    for name, kw in cases:
+        with pytest.raises(epmoe.InvalidArgument):
+            fake_layer()(x, idx, w, **kw)
+        assert calls == [], name
 
 
 def test_hot_path_allocates_out(calls):
