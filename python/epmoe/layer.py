@@ -290,7 +290,8 @@ class Layer:
         handle = self._live_handle()
         path_code = choice_arg("path", path, PATHS)
         c = self.config
-        if type(x).__module__.startswith("torch") and (stream is None or self._is_torch_current_stream(stream)):
+        if (type(x).__module__.startswith("torch")
+                and (stream is None or self._is_torch_current_stream(stream))):
             from . import _torch_fast
             taken, result, status = _torch_fast.forward(
                 _lib.lib().epmoe_layer_forward_ex, handle, self.device, c.hidden, c.topk,

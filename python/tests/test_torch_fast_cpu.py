@@ -81,11 +81,22 @@ def test_hot_path_passes_the_expert_counts(calls):
     assert calls[1][7:9] == (None, totals.data_ptr())
 
 
+def test_hot_path_zero_tokens_passes_the_expert_counts(calls):
+    """T = 0: no token pointer, but the counts are still written (zeros) and summed."""
+    x, idx, w = inputs(0)
+    counts = torch.zeros(E_LOC, dtype=torch.int32)
+    totals = torch.zeros(E_LOC, dtype=torch.int64)
+    fake_layer()(x, idx, w, expert_counts=counts, expert_counts_total=totals)
+    assert calls == [(0x1234, None, None, _lib.INDEX_INT32, None, None, 0, counts.data_ptr(),
+                      totals.data_ptr(), STREAM, _lib.PATH_PIPELINE)]
+
+
 def _bad_counts():
     """Expert-count arguments the hot path must leave to the DLPack path, which names them."""
     x, idx, w = inputs()
     y = torch.empty(5, GOOD["hidden"], dtype=torch.bfloat16)
     shared = torch.zeros(E_LOC, dtype=torch.int64)  # totals, with the counts in its first bytes
+    partial = torch.zeros(2 * E_LOC, dtype=torch.int64)
     return x, idx, w, y, [
         ("counts int64", dict(expert_counts=torch.zeros(E_LOC, dtype=torch.int64))),
         ("counts of E_loc + 1", dict(expert_counts=torch.zeros(E_LOC + 1, dtype=torch.int32))),
@@ -96,6 +107,13 @@ def _bad_counts():
         ("counts inside x", dict(expert_counts=x.view(torch.int32).reshape(-1)[:E_LOC])),
         ("totals over counts", dict(expert_counts=shared.view(torch.int32)[:E_LOC],
                                     expert_counts_total=shared)),
+        # The last bytes of the totals only (a range check shorter than E_loc entries misses it).
+        ("counts over the totals' tail", dict(expert_counts=partial.view(torch.int32)[6:6 + E_LOC],
+                                              expert_counts_total=partial[:E_LOC])),
+        ("counts misaligned", dict(expert_counts=torch.frombuffer(bytearray(64), dtype=torch.int32,
+                                                                  offset=2, count=E_LOC))),
+        ("totals misaligned", dict(expert_counts_total=torch.frombuffer(bytearray(64), dtype=torch.int64,
+                                                                        offset=4, count=E_LOC))),
     ]
 
 
