@@ -17,9 +17,11 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "epmoe/config.h"
 #include "epmoe/status.h"
+#include "host/c_guard.h"
 #include "host/check.h"
 #include "host/gemm.h"
 
@@ -42,21 +44,10 @@ namespace gemm = epmoe::gemm;
 
 thread_local std::string t_last_error;
 
-int record(const Status& st) {
-  if (st.ok()) return 0;
-  t_last_error = st.message();
-  return static_cast<int>(st.code());
-}
-
+// Runs `body` (returning Status) under the C boundary's convention (host/c_guard.h).
 template <class Body>
 int guarded(Body&& body) {
-  try {
-    return record(body());
-  } catch (const std::exception& e) {
-    return record(Status(StatusCode::kInternal, std::string("unexpected C++ exception: ") + e.what()));
-  } catch (...) {
-    return record(Status(StatusCode::kInternal, "unexpected non-standard C++ exception"));
-  }
+  return epmoe::detail::guarded_call(t_last_error, std::forward<Body>(body));
 }
 
 // device >= 0: make it current in this library's (static) runtime; -1: keep the current one. Why

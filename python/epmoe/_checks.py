@@ -109,12 +109,14 @@ def _check_device(name: str, dev_type: int, dev_id: int, device: int | None, on_
         raise InvalidArgument(f"{name} must be in CUDA or host memory; got {where}:{dev_id}")
 
 
+def ranges_overlap(a_ptr: int, a_bytes: int, b_ptr: int, b_bytes: int) -> bool:
+    """Whether two byte ranges share a byte (an empty range shares none)."""
+    return a_bytes > 0 and b_bytes > 0 and a_ptr < b_ptr + b_bytes and b_ptr < a_ptr + a_bytes
+
+
 def no_overlap(out: TensorView, *inputs: TensorView) -> None:
     """The output may not share memory with an input (peers read the inputs while it is written)."""
-    if out.numel == 0:
-        return
-    lo, hi = out.ptr, out.ptr + out.nbytes
     for v in inputs:
-        if v.numel and v.ptr < hi and lo < v.ptr + v.nbytes:
+        if out.numel and v.numel and ranges_overlap(out.ptr, out.nbytes, v.ptr, v.nbytes):
             raise InvalidArgument(f"{out.name} overlaps {v.name} in memory; epmoe needs a separate "
                                   f"output buffer")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ._checks import ranges_overlap
+
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 _STRIDED = torch.strided
 # Why the private call: torch's own generated code (inductor) uses it; torch.cuda.current_stream()
@@ -42,10 +44,6 @@ def _ok(v: Any, dtype: Any, dev: int, rows: int, cols: int) -> bool:
 def _ok1(v: Any, dtype: Any, dev: int, n: int) -> bool:
     return (type(v) is torch.Tensor and v.dtype is dtype and v.layout is _STRIDED and v.dim() == 1
             and v.shape[0] == n and v.get_device() == dev and v.is_contiguous())
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[1] > 0 and b[1] > 0 and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
 
 
 def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_max: int,
@@ -79,7 +77,7 @@ def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_
             return False, None, 0
         r = (v.data_ptr(), e_loc * size)
         # Written buffers may share memory with nothing else: the DLPack path's no_overlap check.
-        if any(_overlap(r, u) for u in inputs + written):
+        if any(ranges_overlap(*r, *u) for u in inputs + written):
             return False, None, 0
         written.append(r)
     if out is None:
@@ -90,7 +88,7 @@ def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_
     # The output may not share memory with an input (peers read the inputs while it is written)
     # nor with the expert counts: the DLPack path's no_overlap check, on the same byte ranges.
     ro = (op, t * hidden * 2)
-    if any(_overlap(ro, u) for u in inputs + written):
+    if any(ranges_overlap(*ro, *u) for u in inputs + written):
         return False, None, 0
     status = c_forward_ex(handle, xp or None, ip or None, idx_int64 if wide else idx_int32,
                           wp or None, op or None, t, written[0][0] or None, written[1][0] or None,

@@ -11,6 +11,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "epmoe/comm.h"
 #include "epmoe/config.h"
@@ -20,6 +21,7 @@
 #include "epmoe/status.h"
 #include "epmoe/version.h"
 #include "host/c_api_handles.h"
+#include "host/c_guard.h"
 #include "host/check.h"
 #include "host/comm_internal.h"
 #include "host/dispatch_internal.h"
@@ -44,22 +46,10 @@ using epmoe::detail::invalid;
 
 thread_local std::string t_last_error;
 
-int record(const Status& st) {
-  if (st.ok()) return EPMOE_OK;
-  t_last_error = st.message();
-  return static_cast<int>(st.code());
-}
-
-// Runs `body` (returning Status); no C++ exception crosses the C boundary.
+// Runs `body` (returning Status) under the C boundary's convention (host/c_guard.h).
 template <class Body>
 int guarded(Body&& body) {
-  try {
-    return record(body());
-  } catch (const std::exception& e) {
-    return record(Status(StatusCode::kInternal, std::string("unexpected C++ exception: ") + e.what()));
-  } catch (...) {
-    return record(Status(StatusCode::kInternal, "unexpected non-standard C++ exception"));
-  }
+  return epmoe::detail::guarded_call(t_last_error, std::forward<Body>(body));
 }
 
 [[maybe_unused]] Status unsupported_until(const char* what) {
