@@ -26,8 +26,7 @@ struct Sm90Bf16Mainloop {
   // kKeepLast: see the FP8 mainloop.
   // kPairK: accepted for the FP8 loop's interface; this loop runs one K block per trip.
   template <bool kKeepLast = false, bool kPairK = false>
-  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
-                             const float* const (&)[2], int wg, bool idle) {
+  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks, int wg, bool idle) {
     constexpr bool keep_last = kKeepLast;
     const int lane = threadIdx.x % 32;
     if (idle) {

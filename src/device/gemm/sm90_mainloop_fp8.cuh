@@ -34,15 +34,21 @@ struct Sm90Fp8Mainloop {
   using State = pipeline::PipelineState<kStages>;
 
   // The math of one K block whose stage has landed: two N halves of four wgmma each, each promoted
-  // into acc with its scales (activation sa_lo / sa_hi for this thread's two rows, weight sb0 /
-  // sb1 for the two halves). release() hands the stage back.
-  template <class Release>
+  // into acc with its scales (activation sa_lo / sa_hi for this thread's two rows; the weight scale
+  // of half h at shared-window address sb + 4 h, in the stage). release() hands the stage back.
+  // Each half loads its weight scale before its batch, so that one scale register is live at a time
+  // in a loop that runs at its register budget.
+  struct Nothing {
+    __device__ __forceinline__ void operator()() const {}
+  };
+  template <class Release, class AfterRelease = Nothing>
   __device__ __forceinline__ static void block_math(float (&acc)[128], float (&tmp)[64], uint32_t a_lo, uint32_t b_lo,
-                                                    float sa_lo, float sa_hi, float sb0, float sb1,
-                                                    const Release& release) {
+                                                    float sa_lo, float sa_hi, uint32_t sb,
+                                                    const Release& release, const AfterRelease& after_release = {}) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t bh_lo = b_lo + uint32_t(h) * ((kHalfN * Layout::kRowBytes) >> 4);
+      const float sb_h = ptx::ld_shared_f32(sb + 4u * uint32_t(h));
       ptx::fence_operands(tmp);
       ptx::wgmma_fence_sync_aligned();
 #pragma unroll
@@ -57,11 +63,13 @@ struct Sm90Fp8Mainloop {
       // warp after a __syncwarp, which orders every lane's scale loads from the stage before the
       // arrival. compute-sanitizer racecheck still reports the refill's bulk copy against these
       // loads (it does not count the warp barrier; with one arrival per lane it reports none).
-      if (h == 1) release();
+      if (h == 1) {
+        release();
+        after_release();
+      }
 
-      const float sb = h == 0 ? sb0 : sb1;
-      const float s0 = sa_lo * sb;
-      const float s1 = sa_hi * sb;
+      const float s0 = sa_lo * sb_h;
+      const float s1 = sa_hi * sb_h;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         acc[64 * h + 4 * i + 0] += tmp[4 * i + 0] * s0;
@@ -80,18 +88,18 @@ struct Sm90Fp8Mainloop {
   // idle: none of this warpgroup's 64 rows is valid (a tile of <= 64 tokens, common in decode):
   // take and release every stage without issuing wgmma, which leaves the tensor pipe to the
   // other warpgroup. acc is not written; the epilogue stores no row of it.
-  // b_scale[h]: the weight scales of N half h, one float per K block; nullptr when the half lies
-  // past N (it is still computed, its result is unused).
+  // The weight scales of each K block come with its stage (Layout::sb_offset, stored by the
+  // producer thread): a load from global memory here stalled the next wgmma batch at its fence
+  // whenever it missed L1 (WARPGROUP.ARRIVE waits for every load in flight to a register).
   // kKeepLast: the stage of the last K block is not released (the deferred L2 epilogue stages the
   // tile's output there; its storer releases it). A template parameter: as a runtime flag it cost
   // the K loop 12 SASS instructions.
   // Returns false when a stage never arrived (the bounded
   // wait expired); st then names it.
-  // kPairK: two K blocks per loop trip (the standalone kernels). The fused kernel, at its register
-  // cap, keeps one per trip: the pairs' extra live registers spilled there.
+  // kPairK: two K blocks per loop trip (the standalone kernels); the fused kernel, at its register
+  // cap, keeps one per trip.
   template <bool kKeepLast = false, bool kPairK = false>
-  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
-                             const float* const (&b_scale)[2], int wg, bool idle) {
+  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks, int wg, bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     if (idle) return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
@@ -109,15 +117,13 @@ struct Sm90Fp8Mainloop {
     static_assert(Layout::a_offset(1) - Layout::a_offset(0) == Layout::kTileA, "A stages are contiguous");
     static_assert(Layout::b_offset(1) - Layout::b_offset(0) == Layout::kTileB, "B stages are contiguous");
     static_assert(Layout::sa_offset(1) - Layout::sa_offset(0) == Layout::kScaleA, "scale stages are contiguous");
+    static_assert(Layout::sb_offset(1) - Layout::sb_offset(0) == Layout::kScaleB, "scale stages are contiguous");
     const uint32_t bars_s = smem_s + Layout::kBarOffset;
     const uint32_t a_lo0 =
         smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
     const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
     const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
-    // A half past N (L2 with N an odd multiple of 128) is computed from the first half's scales;
-    // its result is never stored.
-    const float* const sp0 = b_scale[0];
-    const float* const sp1 = b_scale[1] != nullptr ? b_scale[1] : b_scale[0];
+    const uint32_t sb0 = smem_s + Layout::sb_offset(0);
     float tmp[64];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -130,36 +136,19 @@ struct Sm90Fp8Mainloop {
     const State st0 = st;
     uint32_t failed = 0;
     int failed_kb = 0;
-    // One K block: wait for its stage, two N halves of four wgmma each, promotion. With kPairK the
-    // weight scales of K block kb come in (cur0, cur1) and those of kb + 1 are loaded into
-    // (nxt0, nxt1); the loop runs two K blocks per trip with the register pairs swapped, so each
-    // scale load has a whole K block to land and no register copy waits on it (a copy of the next
-    // scales into the current ones at the end of each trip stalled on the load: ncu
-    // long-scoreboard samples on that copy, ~6% of the kernel's). Without kPairK each K block
-    // loads its own scales before its stage wait.
-    const auto k_block = [&](int kb, float cur0, float cur1, float& nxt0, float& nxt1) {
+    // One K block: wait for its stage, two N halves of four wgmma each, promotion.
+    const auto k_block = [&](int kb) {
       // Why the broadcast: the stage index is then provably the same in every lane, and ptxas
       // steps the wgmma descriptors in uniform registers (without it: 32 R2UR per K block).
       st.index = __shfl_sync(0xffffffffu, st.index, 0);
-      if constexpr (!kPairK) {
-        // One K block per trip: this block's scales, loaded before the stage wait so that their
-        // latency hides behind it.
-        cur0 = ptx::ld_nc_f32(sp0 + kb);
-        cur1 = ptx::ld_nc_f32(sp1 + kb);
-      }
       const uint32_t was = failed;
       failed = pipe.consumer_wait_flag(bars_s, st, failed);
       failed_kb = failed > was ? kb : failed_kb;
-      if constexpr (kPairK) {
-        const int kn = kb + 1 < num_k_blocks ? kb + 1 : kb;
-        nxt0 = ptx::ld_nc_f32(sp0 + kn);
-        nxt1 = ptx::ld_nc_f32(sp1 + kn);
-      }
       const float sa_lo = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA);
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
       const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
       const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
-      block_math(acc, tmp, a_lo, b_lo, sa_lo, sa_hi, cur0, cur1, [&] {
+      block_math(acc, tmp, a_lo, b_lo, sa_lo, sa_hi, sb0 + st.index * Layout::kScaleB, [&] {
         // Why __syncwarp: lane 0 arrives for the whole warp, so every lane's scale loads from the
         // stage must be ordered before its arrival (see block_math).
         __syncwarp();
@@ -167,18 +156,15 @@ struct Sm90Fp8Mainloop {
       });
       ++st;
     };
-    float sa0_w = kPairK && num_k_blocks > 0 ? ptx::ld_nc_f32(sp0) : 0.0f;
-    float sa1_w = kPairK && num_k_blocks > 0 ? ptx::ld_nc_f32(sp1) : 0.0f;
-    float sb0_w = 0.0f, sb1_w = 0.0f;
     int kb = 0;
     if constexpr (kPairK) {
       for (; kb + 1 < num_k_blocks; kb += 2) {
-        k_block(kb, sa0_w, sa1_w, sb0_w, sb1_w);
-        k_block(kb + 1, sb0_w, sb1_w, sa0_w, sa1_w);
+        k_block(kb);
+        k_block(kb + 1);
       }
-      if (kb < num_k_blocks) k_block(kb, sa0_w, sa1_w, sb0_w, sb1_w);
+      if (kb < num_k_blocks) k_block(kb);
     } else {
-      for (; kb < num_k_blocks; ++kb) k_block(kb, sa0_w, sa1_w, sb0_w, sb1_w);
+      for (; kb < num_k_blocks; ++kb) k_block(kb);
     }
     if (failed) {
       st = st0;
@@ -197,9 +183,8 @@ struct Sm90Fp8Mainloop {
   // instructions per K block on the path between two wgmma batches. Same operations, same order,
   // same results as run<kKeepLast, true>.
   template <bool kKeepLast>
-  __device__ static bool run_rings(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks,
-                                   const float* const (&b_scale)[2], int wg, bool idle) {
-    static_assert(kStages % 2 == 0, "the weight scales alternate between two register pairs");
+  __device__ static bool run_rings(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks, int wg,
+                                   bool idle) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     if (idle) return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
@@ -211,8 +196,7 @@ struct Sm90Fp8Mainloop {
         smem_desc_lo_sw128(smem_s + Layout::a_offset(0) + uint32_t(wg) * (kWarpgroupM * Layout::kRowBytes));
     const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
     const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
-    const float* sp0 = b_scale[0];
-    const float* sp1 = b_scale[1] != nullptr ? b_scale[1] : b_scale[0];
+    const uint32_t sb0 = smem_s + Layout::sb_offset(0);
     float tmp[64];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -220,13 +204,12 @@ struct Sm90Fp8Mainloop {
     // failed: 0, or 1 + the K block whose wait expired first (see run for why it is carried).
     uint32_t failed = 0;
     uint32_t phase = st.phase;
-    // The weight scales of even K blocks in (e0, e1), of odd ones in (o0, o1); each K block loads
-    // the next one's (as run<., true> does).
-    float e0 = ptx::ld_nc_f32(sp0), e1 = ptx::ld_nc_f32(sp1), o0 = 0.0f, o1 = 0.0f;
-    // q0, q1: this ring's weight scales (each stage reads them at constant offsets).
-    const float* q0 = sp0;
-    const float* q1 = sp1;
-    for (int kb = 0; kb < num_k_blocks; kb += kStages, q0 += kStages, q1 += kStages) {
+    // ready: the early test of the next stage's phase, made once the current stage's wgmma are
+    // done and before its last promotion, saw it complete (the wait at the next stage's top then
+    // probes nothing). Why: the probe's round trip then overlaps the promotion's FFMA instead of
+    // sitting between the promotion and the next wgmma batch.
+    uint32_t ready = 0;
+    for (int kb = 0; kb < num_k_blocks; kb += kStages) {
       const bool last_ring = kb + kStages >= num_k_blocks;
       // Why opaque, then a broadcast, once per ring: with the stage constant, the 32 descriptors
       // of a ring are loop invariants, and ptxas hoisted them out of the loop into ordinary
@@ -239,22 +222,18 @@ struct Sm90Fp8Mainloop {
       b_lo = __shfl_sync(0xffffffffu, b_lo, 0);
       const auto stage = [&](auto s_const) {
         constexpr uint32_t s = decltype(s_const)::value;
-        failed = Pipe::template consumer_wait_flag_at<s>(bars_s, phase, failed, uint32_t(kb) + s + 1u);
-        float& n0 = s % 2 == 0 ? o0 : e0;
-        float& n1 = s % 2 == 0 ? o1 : e1;
-        const float c0 = s % 2 == 0 ? e0 : o0;
-        const float c1 = s % 2 == 0 ? e1 : o1;
-        if (s + 1 < uint32_t(kStages) || !last_ring) {  // the tile's last K block has no next
-          n0 = ptx::ld_nc_f32(q0 + s + 1);
-          n1 = ptx::ld_nc_f32(q1 + s + 1);
-        }
+        failed = Pipe::template consumer_wait_tested_at<s>(bars_s, phase, failed, ready, uint32_t(kb) + s + 1u);
         const float sa_lo = ptx::ld_shared_f32(sa0 + s * Layout::kScaleA);
         const float sa_hi = ptx::ld_shared_f32(sa0 + s * Layout::kScaleA + 32u);
-        block_math(acc, tmp, a_lo + s * (Layout::kTileA >> 4), b_lo + s * (Layout::kTileB >> 4), sa_lo, sa_hi, c0,
-                   c1, [&] {
+        block_math(acc, tmp, a_lo + s * (Layout::kTileA >> 4), b_lo + s * (Layout::kTileB >> 4), sa_lo, sa_hi,
+                   sb0 + s * Layout::kScaleB, [&] {
                      __syncwarp();
                      const bool keep = kKeepLast && s + 1 == uint32_t(kStages) && last_ring;
                      if (!keep && ptx::elect_one_sync()) Pipe::template consumer_release_at<s>(bars_s);
+                   },
+                   [&] {
+                     constexpr uint32_t sn = (s + 1) % uint32_t(kStages);
+                     ready = Pipe::template consumer_test_at<sn>(bars_s, sn == 0 ? phase ^ 1u : phase);
                    });
       };
       stage_each(stage, std::make_integer_sequence<uint32_t, kStages>{});

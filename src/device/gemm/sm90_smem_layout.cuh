@@ -31,14 +31,18 @@ struct Sm90SmemLayout {
   static constexpr uint32_t kTileB = uint32_t(kTileN) * kRowBytes;
   static constexpr uint32_t kScaleA = kFp8 ? kBlockM * 4 : 0;
   static constexpr uint32_t kTxBytes = kTileA + kTileB + kScaleA;  // what TMA lands per stage
+  // FP8: the stage's two weight scales (one per 128-column half of the tile, then 8 bytes of
+  // padding), stored by the producer thread (Sm90TmaProducer::store_weight_scales).
+  static constexpr uint32_t kScaleB = kFp8 ? 16 : 0;
 
   static constexpr uint32_t a_offset(uint32_t s) { return s * kTileA; }
   static constexpr uint32_t b_offset(uint32_t s) { return kStages * kTileA + s * kTileB; }
   static constexpr uint32_t sa_offset(uint32_t s) { return kStages * (kTileA + kTileB) + s * kScaleA; }
+  static constexpr uint32_t sb_offset(uint32_t s) { return kStages * (kTileA + kTileB + kScaleA) + s * kScaleB; }
   // Barriers: full[kStages], empty[kStages] (the ring), then the deferred L2 epilogue's two:
   // "staged" (the math warpgroups wrote a tile's output to smem) and "drained" (the storer
   // has read the staging tiles back).
-  static constexpr uint32_t kBarOffset = kStages * (kTileA + kTileB + kScaleA);
+  static constexpr uint32_t kBarOffset = kStages * (kTileA + kTileB + kScaleA + kScaleB);
   static constexpr uint32_t kStagedBarOffset = kBarOffset + 2 * kStages * 8;
   static constexpr uint32_t kDrainedBarOffset = kStagedBarOffset + 8;
   // The staged tile's description for the storer (4 ints: row0, rows_valid or -1 when the

@@ -73,10 +73,7 @@ struct Sm90TmaProducer {
     claim_ctr = claim;
     if (claim) claimed = int(blockIdx.x);
     while (claim ? sched.seek(claimed, tile) : sched.next(tile)) {
-      if (publish_tiles) {
-        publish = uint32_t(sched.next_linear);
-        prefetch_weight_scales(tile, num_k_blocks);
-      }
+      if (publish_tiles) publish = uint32_t(sched.next_linear);
       if (claim) claim_kb = max(0, num_k_blocks - kStages);
       int kb = 0;
       if (ready) {
@@ -90,6 +87,7 @@ struct Sm90TmaProducer {
           pipeline::PipelineState<kStages> s = first;
           for (int j = 0; j < ahead; ++j, ++s) {
             uint64_t* full = pipe.producer_barrier(s);
+            store_weight_scales(tile, j, s.index);
             ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes - Layout::kTileB);
             issue_a(tile, j, full, s.index);
           }
@@ -143,15 +141,54 @@ struct Sm90TmaProducer {
 
   // Loads K block kb of the tile into the next stage, once the consumers have released it.
   // Why not issue_a then load_b: that order (A, scales, B) changed the standalone kernels' SASS.
+  // FP8: the bytes are announced first, the stage's one arrival comes last, after the weight scales
+  // were stored (its release makes them visible to the math threads' acquire of the phase).
   __device__ void issue(const scheduler::GemmTile& tile, int kb) {
     claim_next(kb);
-    uint64_t* full = take_stage();
+    uint64_t* full;
+    if constexpr (kFp8) {
+      acquire_stage();
+      full = pipe.producer_barrier(st);
+      ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTxBytes);
+    } else {
+      full = take_stage();
+    }
     ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
     load_b(tile, kb, full, st.index);
-    if constexpr (kFp8)
+    if constexpr (kFp8) {
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(st.index), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
                          Layout::kScaleA, full);
+      store_weight_scales(tile, kb, st.index);
+      ptx::mbarrier_arrive_release_cta_s(ptx::smem_u32(full));
+    }
     ++st;
+  }
+  // FP8: the weight scales of K block kb for the tile's two 128-column halves, into the stage's
+  // scale slot (a half past N, L2 with N an odd multiple of 128, takes the first half's; its
+  // result is never stored). Why the producer and not the math threads: a load from global memory
+  // in the K loop stalls the next wgmma batch at its fence (WARPGROUP.ARRIVE waits for loads in
+  // flight to registers) whenever it misses L1; this thread's loads only delay the stage's
+  // arrival, which the ring keeps ahead of the math.
+  __device__ void store_weight_scales(const scheduler::GemmTile& tile, int kb, uint32_t stage) {
+    if constexpr (kFp8) {
+      static_assert(Layout::kTileN == 2 * kScaleBlock, "two weight scale blocks per tile");
+      static_assert(kBlockK == kScaleBlock, "one weight scale per K block: num_k_blocks is k / 128");
+      // Why opaque: the math warpgroups derive the same values from the same parameters; shared,
+      // they were computed before the role split and held across it, and ptxas then spilled
+      // accumulators in the math warpgroups' whole-ring K loop (~600 bytes of stack traffic).
+      int n = p->n, k = p->k;
+      ptx::opaque(n);
+      ptx::opaque(k);
+      const int n_blocks128 = n / kScaleBlock;
+      const int nb0 = tile.n_block * 2;
+      const int nb1 = nb0 + 1 < n_blocks128 ? nb0 + 1 : nb0;
+      const int num_k_blocks = k / kBlockK;
+      // A 32-bit index: < 2^27 by the limits E_loc <= 1024, N <= 65536, K <= 32768.
+      const float* row = p->b_scale + ((tile.expert * n_blocks128 + nb0) * num_k_blocks + kb);
+      const float s0 = ptx::ld_nc_f32(row);
+      const float s1 = ptx::ld_nc_f32(row + (nb1 - nb0) * num_k_blocks);
+      ptx::st_shared_v2_f32(ptx::smem_u32(smem + Layout::sb_offset(stage)), s0, s1);
+    }
   }
   // The same in two halves (b_first): B into the next stage now (its bytes announced, no arrival),
   // the arrival and A later.
@@ -169,20 +206,6 @@ struct Sm90TmaProducer {
     uint64_t* full = pipe.producer_barrier(st);
     ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes);
     return full;
-  }
-  // Published tiles: the math warpgroups learn the tile only once its first stage has landed, and
-  // then load its first weight scales (Sm90Fp8Mainloop). Why ask this SM's L1 for them now: that
-  // load's latency was exposed once per tile (measured at R = 1: publishing cost ~2-3 us in a
-  // one-token call).
-  __device__ void prefetch_weight_scales(const scheduler::GemmTile& tile, int num_k_blocks) {
-    if constexpr (kFp8) {
-      const int n_blocks128 = p->n / kScaleBlock;
-#pragma unroll
-      for (int h = 0; h < Layout::kTileN / kScaleBlock; ++h) {
-        const int nb = tile.n_block * (Layout::kTileN / kScaleBlock) + h;
-        if (nb < n_blocks128) ptx::prefetch_l1(p->b_scale + (tile.expert * n_blocks128 + nb) * num_k_blocks);
-      }
-    }
   }
   // The block's next tile, once per tile at K block claim_kb (see run). Exactly one of issue and
   // issue_b sees each K block.

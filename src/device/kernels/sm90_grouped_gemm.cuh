@@ -186,23 +186,6 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     } else if (!sched.next(tile)) {
       break;
     }
-    const float* b_scale[2] = {nullptr, nullptr};
-    if constexpr (Cfg::kFp8) {
-      static_assert(Cfg::kBlockK == kScaleBlock, "one weight scale per K block: num_k_blocks is k / 128");
-      // Why ptx::opaque: it keeps n / 128 from becoming a loop invariant held across the tile
-      // loop; the fused kernel's FP8 loop sits at its register cap, and that one value spilled.
-      int n_weight_rows = p.n;
-      ptx::opaque(n_weight_rows);
-      const int n_blocks128 = n_weight_rows / kScaleBlock;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int nb = tile.n_block * (kBlockN / kScaleBlock) + h;
-        // Why a 32-bit index (< 2^27 by the limits E_loc <= 1024, N <= 65536, K <= 32768) and
-        // num_k_blocks: extra 64-bit loop invariants here pushed the fused kernel's FP8 tile loop
-        // into spills.
-        if (nb < n_blocks128) b_scale[h] = p.b_scale + (tile.expert * n_blocks128 + nb) * num_k_blocks;
-      }
-    }
     // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
     // rows would take tensor time from the first one's.
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
@@ -217,14 +200,14 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       // Whole rings per tile (see Sm90Fp8Mainloop::run_rings): every tile of this GEMM has the same
       // K, so each one starts at stage 0.
       if (rings)
-        ok = deferred ? Mainloop::template run_rings<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                      : Mainloop::template run_rings<false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+        ok = deferred ? Mainloop::template run_rings<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, wg, idle)
+                      : Mainloop::template run_rings<false>(acc, pipe, st, num_k_blocks, wg, idle);
       else
-        ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                      : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+        ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, wg, idle)
+                      : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, wg, idle);
     } else {
-      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle)
-                    : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, b_scale, wg, idle);
+      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, wg, idle)
+                    : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, wg, idle);
     }
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
     if constexpr (Cfg::kDeferredStore) {

@@ -107,6 +107,19 @@ struct TmaPipeline {
     return ptx::mbarrier_wait_parity_acquire_cta_bounded_s(bars_s + kStage * 8u, phase, bars_s + kWatchdogBoundFromBars,
                                                            failed, mark);
   }
+  // The wait of consumer_wait_flag_at after an early test (consumer_test_at) of the same phase.
+  template <uint32_t kStage>
+  __device__ __forceinline__ static uint32_t consumer_wait_tested_at(uint32_t bars_s, uint32_t phase, uint32_t failed,
+                                                                    uint32_t ready, uint32_t mark) {
+    static_assert(kStage < uint32_t(kStages), "stage index within the ring");
+    return ptx::mbarrier_wait_parity_acquire_cta_bounded_tested_s(bars_s + kStage * 8u, phase,
+                                                                  bars_s + kWatchdogBoundFromBars, failed, ready, mark);
+  }
+  template <uint32_t kStage>
+  __device__ __forceinline__ static uint32_t consumer_test_at(uint32_t bars_s, uint32_t phase) {
+    static_assert(kStage < uint32_t(kStages), "stage index within the ring");
+    return ptx::mbarrier_test_wait_parity_acquire_cta_s(bars_s + kStage * 8u, phase);
+  }
   template <uint32_t kStage>
   __device__ __forceinline__ static void consumer_release_at(uint32_t bars_s) {
     static_assert(kStage < uint32_t(kStages), "stage index within the ring");

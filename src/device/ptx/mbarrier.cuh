@@ -113,6 +113,58 @@ __device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_s(u
   return failed;
 }
 
+// A non-blocking test of the phase with the given parity: 1 once that phase has completed, else 0.
+// Unlike try_wait it never suspends the thread, so it can be issued early (the K loop tests the
+// next stage while it promotes the current one) and its result read later.
+__device__ __forceinline__ uint32_t mbarrier_test_wait_parity_acquire_cta_s(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done;
+}
+
+// mbarrier_wait_parity_acquire_cta_bounded_s for a phase already tested: with `ready` != 0 (an
+// earlier mbarrier_test_wait_parity_acquire_cta_s of the same phase saw it complete) or `failed`
+// != 0 it returns `failed` without probing again.
+__device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_tested_s(uint32_t bar, uint32_t parity,
+                                                                                     uint32_t limit_addr,
+                                                                                     uint32_t failed, uint32_t ready,
+                                                                                     uint32_t mark = 1) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      ".reg .u32 any;\n"
+      ".reg .u64 t0, t1, lim;\n"
+      "or.b32 any, %0, %5;\n"
+      "setp.ne.u32 p, any, 0;\n"
+      "@p bra DONE;\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "@p bra DONE;\n"
+      "mov.u64 t0, %%globaltimer;\n"
+      "ld.shared.u64 lim, [%3];\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "@p bra DONE;\n"
+      "mov.u64 t1, %%globaltimer;\n"
+      "sub.u64 t1, t1, t0;\n"
+      "setp.lt.u64 p, t1, lim;\n"
+      "@p bra WAIT;\n"
+      "mov.u32 %0, %4;\n"
+      "DONE:\n"
+      "}\n"
+      : "+r"(failed)
+      : "r"(bar), "r"(parity), "r"(limit_addr), "r"(mark), "r"(ready)
+      : "memory");
+  return failed;
+}
+
 // One probe of the phase with the given parity; true once that phase has completed.
 __device__ __forceinline__ bool mbarrier_try_wait_parity_acquire_cta(uint64_t* bar, uint32_t parity) {
   return mbarrier_try_wait_parity_acquire_cta_s(smem_u32(bar), parity);
