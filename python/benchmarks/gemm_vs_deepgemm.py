@@ -2,6 +2,7 @@
 
     python3 python/benchmarks/gemm_vs_deepgemm.py [G,M,N,K ...] [--data randn|codes] [--zipf]
         [--decode] [--rounds 5] [--iters 20] [--graph auto|on|off] [--json PATH] [--lib PATH]
+        [--lib-b PATH]
     python3 python/benchmarks/gemm_vs_deepgemm.py --dry-run [...]     # no GPU needed
 
 Why this script and not epmoe-bench gemm + deepgemm_gemm.py one after the other: under the power cap
@@ -35,6 +36,10 @@ it should need no copy; the kernels one call launches are listed per shape to sh
 --deepgemm-sf rows the row-major tensor, as the peer script does (DeepGEMM then transposes it
 inside every call).
 
+--lib-b PATH: a second build of the library (an experiment) whose L2 and L1 kernels run on the same
+inputs and take the same turns as b_l2 / b_l1; its L2 output is checked against the reference like
+the first's, and one more line per shape gives its ratios to DeepGEMM and to the first build.
+
 The library is libepmoe_gemm_ctypes.so (bench/ctypes/gemm_ctypes.cpp): --lib, else
 $EPMOE_GEMM_CTYPES_LIB, else .gpu/bin/ (tools/stage_gpu.sh), else build/. The SM clock and board
 power are sampled every 20 ms if pynvml imports. Exit status: 0, or 1 if a check failed.
@@ -62,7 +67,7 @@ LIB_VERSION = 1  # EPMOE_GEMM_CTYPES_VERSION
 STATUS_NAMES = ["Ok", "InvalidArgument", "Unsupported", "CudaError", "NcclError", "Timeout", "Internal"]
 DEFAULT_SHAPES = ["8,4096,4096,7168", "8,4096,7168,2048", "32,1024,4096,7168", "32,1024,7168,2048"]
 NK_PAIRS = [(4096, 7168), (7168, 2048)]  # the DSV3 slice's L1 (N = 2I, K = H) and L2 (N = H, K = I)
-KERNELS = ["deepgemm", "epmoe_l2", "epmoe_l1"]
+KERNELS = ["deepgemm", "epmoe_l2", "epmoe_l1", "b_l2", "b_l1"]
 
 
 # ---- shapes and the pool layout ------------------------------------------------------------------
@@ -334,9 +339,29 @@ def run_shape(ctx, sh: Shape) -> dict:
                                         a_out=l1["a"].data_ptr(), a_scale_out=l1["a_scale"].data_ptr(), stream=raw)
     else:
         rec["notes"].append(f"L1 skipped: N={N} is not 2I with I a multiple of 128")
+    libs = {n: lib for n in plans}
+    lib_b, b_out = ctx.get("lib_b"), {}
+    if lib_b is not None:
+        b_out["l2"] = torch.zeros(max_rows, N, dtype=torch.bfloat16, device=dev)
+        plans["b_l2"] = lib_b.plan_l2(*common, a=t["a"].data_ptr(), a_scale=t["a_sf_mn"].data_ptr(),
+                                      b=t["b"].data_ptr(), b_scale=t["b_sf"].data_ptr(), n=N, k=K,
+                                      out=b_out["l2"].data_ptr())
+        libs["b_l2"] = lib_b
+        if l1 is not None:
+            b_out["a"] = torch.zeros_like(l1["a"])
+            b_out["a_scale"] = torch.zeros_like(l1["a_scale"])
+            plans["b_l1"] = lib_b.plan_l1(*common, x=t["a"].data_ptr(), x_scale=t["a_sf_mn"].data_ptr(),
+                                          w1=t["b"].data_ptr(), w1_scale=t["b_sf"].data_ptr(),
+                                          w1_internal=l1["w1_int"].data_ptr(),
+                                          w1_scale_internal=l1["w1s_int"].data_ptr(),
+                                          row_weight=l1["row_w"].data_ptr(), n=N, k=K, clamp=0.0, pow2=0,
+                                          a_out=b_out["a"].data_ptr(), a_scale_out=b_out["a_scale"].data_ptr(),
+                                          stream=raw)
+            libs["b_l1"] = lib_b
+    ctx["libs"] = libs
     try:
-        for p in plans.values():
-            lib.launch(p, raw, 1)
+        for n, p in plans.items():
+            libs[n].launch(p, raw, 1)
         torch.cuda.synchronize()
         if args.kernel_list:
             # What one call of each puts on the GPU (DeepGEMM: one GEMM kernel, or a scale transpose
@@ -345,13 +370,37 @@ def run_shape(ctx, sh: Shape) -> dict:
                                "epmoe_l2": kernels_launched(torch, lambda: lib.launch(plans["epmoe_l2"], raw, 1))}
             print("  one call launches: " + "; ".join(f"{n}: {v}" for n, v in rec["launched"].items()), flush=True)
         check_outputs(torch, rec, t, sh, d_dg, d_l2, l1, args.tol)
+        if b_out:
+            check_b(torch, rec, t, sh, d_l2, l1, b_out, args.tol)
         if rec["ok"] or args.time_failed:
             time_in_turns(ctx, rec, sh, dg_call, plans)
     finally:
         torch.cuda.synchronize()
-        for p in plans.values():
-            lib.destroy(p)
+        for n, p in plans.items():
+            libs[n].destroy(p)
     return rec
+
+
+def check_b(torch, rec, t, sh, d_l2, l1, b_out, tol):
+    """The second build's outputs: its L2 against the fp32 reference (fails the shape above tol) and,
+    for information, whether its L2 and L1 outputs equal the first build's bitwise."""
+    valid = t["m_indices"] >= 0
+    g = rec["check_group"]
+    rows, r0 = sh.rows[g], t["off"][g]
+    err = rel_err(torch, b_out["l2"][r0:r0 + rows], reference_group(torch, t, g, rows))
+    rec["errors"]["b_l2_vs_ref"] = err
+    same_l2 = bool(torch.equal(b_out["l2"][valid], d_l2[valid]))
+    line = f"  build b: L2 rel err vs fp32 ref {err:.2e}, L2 bitwise equal to the first build: {same_l2}"
+    rec["b_l2_bitwise_equal"] = same_l2
+    if l1 is not None and "a" in b_out:
+        same_l1 = bool(torch.equal(b_out["a"][valid], l1["a"][valid]) and
+                       torch.equal(b_out["a_scale"][:, valid], l1["a_scale"][:, valid]))
+        rec["b_l1_bitwise_equal"] = same_l1
+        line += f", L1 bitwise equal: {same_l1}"
+    if not err <= tol:
+        rec["ok"] = False
+        rec["notes"].append(f"FAIL: build b L2 rel err {err:.3e} > {tol:g} against the fp32 reference")
+    print(line, flush=True)
 
 
 def kernels_launched(torch, fn):
@@ -414,7 +463,7 @@ def check_outputs(torch, rec, t, sh, d_dg, d_l2, l1, tol):
 
 
 def time_in_turns(ctx, rec, sh, dg_call, plans):
-    torch, lib, args = ctx["torch"], ctx["lib"], ctx["args"]
+    torch, libs, args = ctx["torch"], ctx["libs"], ctx["args"]
     iters = args.iters
 
     def batch_of(name):
@@ -423,7 +472,7 @@ def time_in_turns(ctx, rec, sh, dg_call, plans):
                 for _ in range(iters):
                     dg_call()
         else:
-            plan = plans[name]
+            plan, lib = plans[name], libs[name]
 
             def batch():  # the current stream: the timing stream, or a graph's capture stream
                 lib.launch(plan, torch.cuda.current_stream().cuda_stream, iters)
@@ -482,6 +531,11 @@ def time_in_turns(ctx, rec, sh, dg_call, plans):
         # The drift-free figure: each round's ratio against the same round's DeepGEMM time.
         paired = [d / o for d, o in zip(dg, ms[n], strict=True)]
         k["ratio_paired_median"] = round(statistics.median(paired), 3)
+    for n in ("b_l2", "b_l1"):
+        if n in kern and "epmoe" + n[1:] in kern:
+            # build b against the first build, per round (its time over b's: > 1 means b is faster)
+            paired = [a / b for a, b in zip(ms["epmoe" + n[1:]], ms[n], strict=True)]
+            kern[n]["vs_first_paired_median"] = round(statistics.median(paired), 3)
     rec["kernels"] = kern
 
 
@@ -506,10 +560,16 @@ def row_line(rec) -> str:
         return (f"{k[n]['ratio_median']:.3f}/{k[n]['ratio_best']:.3f}/{k[n]['ratio_paired_median']:.3f}"
                 if n in k else f"{'-':>18s}")
 
-    clocks = "/".join(str(k[n]["clock"]["sm_mhz"]) if n in k and k[n]["clock"] else "-" for n in KERNELS)
+    clocks = "/".join(str(k[n]["clock"]["sm_mhz"]) if n in k and k[n]["clock"] else "-" for n in KERNELS[:3])
     graph = " (graphs)" if rec.get("graph") else ""
-    return (f"{rec['shape']:28s} {rec['data']:6s} {tf('deepgemm')} | {tf('epmoe_l2')} {ratio('epmoe_l2'):>18s} | "
+    line = (f"{rec['shape']:28s} {rec['data']:6s} {tf('deepgemm')} | {tf('epmoe_l2')} {ratio('epmoe_l2'):>18s} | "
             f"{tf('epmoe_l1')} {ratio('epmoe_l1'):>18s} | {clocks}{graph}")
+    if "b_l2" in k:
+        def vs(n):
+            return f"{k[n]['vs_first_paired_median']:.3f}" if n in k and "vs_first_paired_median" in k[n] else "-"
+        line += (f"\n{'  build b':28s} {'':6s} {'':15s} | {tf('b_l2')} {ratio('b_l2'):>18s} | "
+                 f"{tf('b_l1')} {ratio('b_l1'):>18s} | b over first (per round): L2 {vs('b_l2')} L1 {vs('b_l1')}")
+    return line
 
 
 def shapes_from(args) -> list:
@@ -541,6 +601,11 @@ def dry_run(args, shapes) -> int:
     lib = GemmLib(find_lib(args.lib))
     print(f"library {lib.path}: version {LIB_VERSION}, row_align {lib.row_align}")
     failures = []
+    if args.lib_b:
+        lib_b = GemmLib(Path(args.lib_b))
+        print(f"build b {lib_b.path}: row_align {lib_b.row_align}")
+        if lib_b.row_align != lib.row_align:
+            failures.append(f"--lib-b: row_align {lib_b.row_align} differs from {lib.row_align}")
 
     def expect_invalid(what, call, pattern):
         try:
@@ -671,6 +736,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--lib", help=f"path of {LIB_NAME}")
+    p.add_argument("--lib-b", metavar="PATH", help=f"a second build of {LIB_NAME}, timed in the same turns")
     p.add_argument("--json", metavar="PATH", help="write the run (settings, clocks, every shape) as JSON")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU: load the library, check its argument checks, print the shapes' layouts")
@@ -732,9 +798,14 @@ def main(argv=None) -> int:
     dg_align = int(getattr(deep_gemm, "get_mk_alignment_for_contiguous_layout", lambda: 128)())
     align = lib.row_align * dg_align // math.gcd(lib.row_align, dg_align)
     clock = ClockSampler(torch, args.device)
-    ctx = dict(torch=torch, dg=deep_gemm, lib=lib, args=args, device=args.device, align=align, clock=clock)
+    lib_b = GemmLib(Path(args.lib_b)) if args.lib_b else None
+    if lib_b is not None and lib_b.row_align != lib.row_align:
+        raise SystemExit(f"--lib-b: row_align {lib_b.row_align} differs from the first build's {lib.row_align}")
+    ctx = dict(torch=torch, dg=deep_gemm, lib=lib, lib_b=lib_b, args=args, device=args.device, align=align,
+               clock=clock)
     meta = {"gpu": torch.cuda.get_device_name(args.device), "torch": torch.__version__,
             "deep_gemm": getattr(deep_gemm, "__version__", "?"), "commit": git_commit(), "lib": str(lib.path),
+            "lib_b": str(lib_b.path) if lib_b else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "data": args.data, "rounds": args.rounds,
             "iters": args.iters, "warmup": args.warmup, "graph": args.graph, "deepgemm_sf": args.deepgemm_sf,
             "seed": args.seed, "row_align": align, "tol": args.tol}
