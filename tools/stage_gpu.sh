@@ -40,4 +40,8 @@ fi
 # The Python package as a wheel (py3-none: no CPython ABI), so the GPU run tests the installed package.
 python3 -m pip wheel -q --no-deps -w .gpu/bin -C cmake.define.EPMOE_EXTRA_RPATH="$gpu_rpath" ./python \
   >/dev/null 2>&1 || echo "stage_gpu: python wheel build failed"
+# The tree the binaries were built from (the device copy's git metadata can be stale): benchmark
+# scripts print it (gemm_vs_deepgemm.py reads the COMMIT next to its library).
+{ git rev-parse --short HEAD; git diff --quiet HEAD -- src include bench python tools 2>/dev/null || echo "+ uncommitted changes"; } \
+  >.gpu/bin/COMMIT 2>/dev/null || true
 du -sh .gpu/bin

@@ -587,7 +587,14 @@ def shapes_from(args) -> list:
     return shapes
 
 
-def git_commit() -> str:
+def git_commit(lib_path: Path | None = None) -> str:
+    """The tree the library was built from: the COMMIT file that tools/stage_gpu.sh writes next to
+    it (on the GPU machines the copy's git metadata can be stale), else this checkout's HEAD."""
+    stamp = lib_path.parent / "COMMIT" if lib_path is not None else None
+    if stamp is not None and stamp.is_file():
+        text = " ".join(stamp.read_text().split())
+        if text:
+            return f"{text} (staged)"
     try:
         return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "?"
@@ -804,7 +811,7 @@ def main(argv=None) -> int:
     ctx = dict(torch=torch, dg=deep_gemm, lib=lib, lib_b=lib_b, args=args, device=args.device, align=align,
                clock=clock)
     meta = {"gpu": torch.cuda.get_device_name(args.device), "torch": torch.__version__,
-            "deep_gemm": getattr(deep_gemm, "__version__", "?"), "commit": git_commit(), "lib": str(lib.path),
+            "deep_gemm": getattr(deep_gemm, "__version__", "?"), "commit": git_commit(lib.path), "lib": str(lib.path),
             "lib_b": str(lib_b.path) if lib_b else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "data": args.data, "rounds": args.rounds,
             "iters": args.iters, "warmup": args.warmup, "graph": args.graph, "deepgemm_sf": args.deepgemm_sf,
