@@ -74,45 +74,6 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_suspend_s(uint32_t bar,
   return done != 0;
 }
 
-// Waits for one phase of the barrier at shared-window address `bar`, for at most the u64 bound in
-// ns that shared-window address `limit_addr` holds (read only once the first probe failed), the
-// whole loop in one asm block. Returns `mark` (nonzero) when the bound passed, else `failed`; with
-// `failed` != 0 on entry it returns at once without waiting (a loop that already timed out skips
-// its later waits, and `failed` keeps the mark of the first wait that expired).
-// Why the bound from smem: it is a launch parameter (the layer's timeout_seconds), and a register
-// holding it would stay live across the K loops that wait here.
-// Why one asm block: its branches are invisible to the compiler, so a K loop that waits through it
-// has no data-dependent exit and stays convergent: no divergence bookkeeping (BSSY/BSYNC,
-// BRA.DIV, a vote) on the path between two wgmma batches.
-__device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_s(uint32_t bar, uint32_t parity,
-                                                                              uint32_t limit_addr, uint32_t failed,
-                                                                              uint32_t mark = 1) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      ".reg .u64 t0, t1, lim;\n"
-      "setp.ne.u32 p, %0, 0;\n"
-      "@p bra.uni DONE;\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      "@p bra DONE;\n"
-      "mov.u64 t0, %%globaltimer;\n"
-      "ld.shared.u64 lim, [%3];\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      "@p bra DONE;\n"
-      "mov.u64 t1, %%globaltimer;\n"
-      "sub.u64 t1, t1, t0;\n"
-      "setp.lt.u64 p, t1, lim;\n"
-      "@p bra WAIT;\n"
-      "mov.u32 %0, %4;\n"
-      "DONE:\n"
-      "}\n"
-      : "+r"(failed)
-      : "r"(bar), "r"(parity), "r"(limit_addr), "r"(mark)
-      : "memory");
-  return failed;
-}
-
 // A non-blocking test of the phase with the given parity: 1 once that phase has completed, else 0.
 // Unlike try_wait it never suspends the thread, so it can be issued early (the K loop tests the
 // next stage while it promotes the current one) and its result read later.
@@ -130,9 +91,18 @@ __device__ __forceinline__ uint32_t mbarrier_test_wait_parity_acquire_cta_s(uint
   return done;
 }
 
-// mbarrier_wait_parity_acquire_cta_bounded_s for a phase already tested: with `ready` != 0 (an
-// earlier mbarrier_test_wait_parity_acquire_cta_s of the same phase saw it complete) or `failed`
-// != 0 it returns `failed` without probing again.
+// Waits for one phase of the barrier at shared-window address `bar`, for at most the u64 bound in
+// ns that shared-window address `limit_addr` holds (read only once the first probe failed), the
+// whole loop in one asm block. Returns `mark` (nonzero) when the bound passed, else `failed`; with
+// `failed` != 0 on entry it returns at once without waiting (a loop that already timed out skips
+// its later waits, and `failed` keeps the mark of the first wait that expired).
+// Why the bound from smem: it is a launch parameter (the layer's timeout_seconds), and a register
+// holding it would stay live across the K loops that wait here.
+// Why one asm block: its branches are invisible to the compiler, so a K loop that waits through it
+// has no data-dependent exit and stays convergent: no divergence bookkeeping (BSSY/BSYNC,
+// BRA.DIV, a vote) on the path between two wgmma batches.
+// `ready` != 0 (an earlier mbarrier_test_wait_parity_acquire_cta_s of the same phase saw it
+// complete) also returns `failed` at once, without probing again.
 __device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_tested_s(uint32_t bar, uint32_t parity,
                                                                                      uint32_t limit_addr,
                                                                                      uint32_t failed, uint32_t ready,
@@ -163,6 +133,13 @@ __device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_tes
       : "r"(bar), "r"(parity), "r"(limit_addr), "r"(mark), "r"(ready)
       : "memory");
   return failed;
+}
+
+// The same wait with no earlier test.
+__device__ __forceinline__ uint32_t mbarrier_wait_parity_acquire_cta_bounded_s(uint32_t bar, uint32_t parity,
+                                                                              uint32_t limit_addr, uint32_t failed,
+                                                                              uint32_t mark = 1) {
+  return mbarrier_wait_parity_acquire_cta_bounded_tested_s(bar, parity, limit_addr, failed, 0u, mark);
 }
 
 // One probe of the phase with the given parity; true once that phase has completed.
