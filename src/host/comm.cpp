@@ -205,7 +205,16 @@ Status init_rank_bounded(const ncclUniqueId& id, int rank, int size, int device,
   }
   if (call->device_error != cudaSuccess)
     return detail::cuda_status(call->device_error, "cudaSetDevice (the init thread)", __FILE__, __LINE__);
-  EPMOE_RETURN_IF_ERROR(detail::nccl_status(call->result, "ncclCommInitRank", __FILE__, __LINE__));
+  if (call->result != ncclSuccess) {
+    // Why the hint: when one rank gives up (its own timeout, a failed check, an exit), NCCL reports
+    // it to the ranks still in the init as a remote or system error, possibly before their own
+    // bound; the NCCL code alone does not say that a peer left.
+    const Status st = detail::nccl_status(call->result, "ncclCommInitRank", __FILE__, __LINE__);
+    std::ostringstream os;
+    os << "Communicator::create on rank " << rank << ": " << st.message() << ": a peer rank left the init of the "
+       << size << " ranks (its create failed its checks or timed out, or it exited), or the network failed";
+    return Status(StatusCode::kNcclError, os.str());
+  }
   *out = call->comm;
   return Status::Ok();
 }
