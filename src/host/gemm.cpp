@@ -68,7 +68,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 // Checks common to every call; dims are the GEMM's (n = B rows per expert, k = reduction).
 Status check_args(const char* who, const GroupedArgs& g, int hidden, int inter, bool fp8) {
-  if (g.num_groups < 1) return invalid(who, ": num_groups=", g.num_groups, " must be >= 1");
+  if (g.num_groups < 1 || g.num_groups > Limits::kMaxExpertsPerRank)
+    return invalid(who, ": num_groups=", g.num_groups, " must be in [1, ", Limits::kMaxExpertsPerRank, "]");
   if (g.expert_count == nullptr || g.expert_offset == nullptr)
     return invalid(who, ": expert_count and expert_offset must be device pointers");
   if (hidden <= 0 || hidden % kScaleBlock != 0)

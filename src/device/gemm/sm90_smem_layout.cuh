@@ -76,7 +76,13 @@ struct Sm90SmemLayout {
   }
   // The deferred L1 epilogue's row scales of a tile (128 floats), after the staging tiles.
   static constexpr uint32_t kEpiScaleOffset = kEpiOffset + 2 * kEpiTileBytes;
-  static constexpr uint32_t kBytes = kEpiScaleOffset + kBlockM * 4;
+  // The tile scheduler's tables of the current GEMM call (scheduler::GroupedTileScheduler,
+  // fill_tile_tables): per expert the m-block prefix (kMaxGroups + 1), the row count and the
+  // first pool row (kMaxGroups each), u32.
+  static constexpr uint32_t kMaxGroups = 1024;
+  static constexpr uint32_t kTableOffset = kEpiScaleOffset + kBlockM * 4;
+  static constexpr uint32_t kTableBytes = (3 * kMaxGroups + 1) * 4;
+  static constexpr uint32_t kBytes = kTableOffset + kTableBytes;
   // Why + 1024: dynamic smem is only 16-byte aligned; swizzled tiles need 1024.
   static constexpr uint32_t kAllocBytes = kBytes + 1024;
 

@@ -276,6 +276,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     comm::wait_geq_acquire_gpu(site, reinterpret_cast<const uint64_t*>(p.dispatch.local_ws + loc.layout_epoch_offset()),
                                dispatch_epoch, "layout_epoch", int(blockIdx.x));
   __syncthreads();
+  // The GEMMs' scheduler tables from the pool's counts and offsets (L1 and L2 read the same pool).
+  gemm::fill_tile_tables_for<typename Cfg::L1>(p.l1);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 

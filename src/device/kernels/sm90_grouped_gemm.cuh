@@ -37,6 +37,7 @@
 #include "device/ptx/math.cuh"
 #include "device/ptx/tma.cuh"
 #include "device/scheduler/sm90_grouped_scheduler.cuh"
+#include "epmoe/config.h"
 
 namespace epmoe::gemm {
 
@@ -95,6 +96,23 @@ struct Sm90GroupedGemmConfig {
 // the same ring and barriers, so L2 continues at the phase L1 stopped at.
 
 // Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
+// The scheduler tables of this block (scheduler::TileTables), filled by fill_tile_tables_for at the
+// start of each GEMM.
+template <class Cfg>
+__device__ __forceinline__ scheduler::TileTables tile_tables() {
+  static_assert(Cfg::Layout::kMaxGroups >= uint32_t(Limits::kMaxExpertsPerRank), "the scheduler tables hold every expert");
+  return scheduler::TileTables{dyn_smem_base_s() + Cfg::Layout::kTableOffset, Cfg::Layout::kMaxGroups};
+}
+template <class Cfg>
+__device__ __forceinline__ typename Cfg::Scheduler make_scheduler(const GroupedGemmParams& p) {
+  return typename Cfg::Scheduler(tile_tables<Cfg>(), p.num_groups, (p.n + kBlockN - 1) / kBlockN);
+}
+// Every thread of the block, before any role schedules a tile of `p`.
+template <class Cfg>
+__device__ __forceinline__ void fill_tile_tables_for(const GroupedGemmParams& p) {
+  scheduler::fill_tile_tables(tile_tables<Cfg>(), p.expert_count, p.expert_offset, p.num_groups, kBlockM);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                                     const GroupedGemmParams& p,
@@ -103,9 +121,7 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     const uint32_t* ready = nullptr, uint32_t target = 0,
                                                     uint32_t per_row = 0, bool b_first = false,
                                                     bool publish_tiles = false, uint32_t* claim = nullptr) {
-  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
-  typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem,
-                                  typename Cfg::Scheduler(p.expert_count, p.expert_offset, p.num_groups, n_tiles)};
+  typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem, make_scheduler<Cfg>(p)};
   producer.st = st;
   producer.run(ready, target, per_row, b_first, publish_tiles, claim);
   st = producer.st;
@@ -150,10 +166,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                                            uint32_t* done = nullptr, uint32_t first_tile_count = 0,
                                                            bool from_slots = false) {
   using Mainloop = typename Cfg::Mainloop;
-  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int num_k_blocks = p.k / Cfg::kBlockK;
   const bool rings = num_k_blocks % Cfg::kStages == 0;
-  typename Cfg::Scheduler sched(p.expert_count, p.expert_offset, p.num_groups, n_tiles);
+  typename Cfg::Scheduler sched = make_scheduler<Cfg>(p);
   scheduler::GemmTile tile;
   float acc[128];
   int pending = -1;  // `done` index of the last stored tile whose release is deferred
@@ -335,7 +350,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // One arrive per math warp (its fence covers the two above).
     pipe.init(Cfg::kEmptyArrivals, p.watchdog);
   }
-  __syncthreads();
+  // Its __syncthreads also publish the barriers' initialization.
+  fill_tile_tables_for<Cfg>(p);
   sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, pipe, smem);
 }
 

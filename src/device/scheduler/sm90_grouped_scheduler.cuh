@@ -1,7 +1,8 @@
 // Persistent tile scheduler over the expert-major pool. Expert e owns pool rows
 // [offset[e], offset[e] + count[e]); its output is cut into ceil(count/kBlockM) x n_tiles tiles.
 // In the static order (next) block b takes linear tiles b, b + gridDim.x, ...; the per-expert
-// counts are read on the device, so the grid (one block per SM) never depends on routing. Every
+// counts are read on the device (into shared-memory tables), so the grid (one block per SM) never
+// depends on routing. Every
 // role of a block walks its own copy of the scheduler and sees the same tile sequence. The fused
 // kernel's producer may instead claim tiles from a grid-wide counter and publish them to the math
 // warpgroups, whose copies then seek to each published index (Sm90TmaProducer::run).
@@ -21,32 +22,74 @@ struct GemmTile {
   int rows_valid;  // 1..kBlockM rows of the tile hold real tokens
 };
 
+// The scheduler's tables in shared memory, filled once per GEMM call by every thread of the block
+// (fill_tile_tables) from the pool's counts and offsets: mb[e] = m-blocks of the experts before e
+// (e = 0..num_groups), count[e], offset[e]. Why tables: walking the counts in global memory cost a
+// dependent load per 8 experts for every role of every block (each role walks from expert 0), up to
+// ~6 us before a decode call's first tile with 64 experts per rank (per-block trace).
+struct TileTables {
+  uint32_t mb_s;      // smem address of mb[0]; count at + 4 * max_groups + 4, offset after it
+  uint32_t max_groups;
+  __device__ __forceinline__ int mb(int e) const { return int(ptx::ld_shared_u32(mb_s + uint32_t(e) * 4u)); }
+  __device__ __forceinline__ int count(int e) const {
+    return int(ptx::ld_shared_u32(mb_s + (max_groups + 1u + uint32_t(e)) * 4u));
+  }
+  __device__ __forceinline__ int offset(int e) const {
+    return int(ptx::ld_shared_u32(mb_s + (2u * max_groups + 1u + uint32_t(e)) * 4u));
+  }
+};
+
+// Every thread of the block calls it (two __syncthreads); then any role may schedule. count and
+// offset as in gemm::GroupedGemmParams (read with ld.global.ca: see ptx::ld_ca_s32).
+__device__ __forceinline__ void fill_tile_tables(const TileTables& t, const int* count, const int* offset,
+                                                 int num_groups, int block_m) {
+  for (int e = int(threadIdx.x); e < num_groups; e += int(blockDim.x)) {
+    const int c = ptx::ld_ca_s32(count + e);
+    ptx::st_shared_u32(t.mb_s + (t.max_groups + 1u + uint32_t(e)) * 4u, uint32_t(c));
+    ptx::st_shared_u32(t.mb_s + (2u * t.max_groups + 1u + uint32_t(e)) * 4u, uint32_t(ptx::ld_ca_s32(offset + e)));
+  }
+  __syncthreads();
+  // Exclusive scan of the m-block counts by warp 0: each lane sums a run of experts, then a shuffle scan.
+  if (threadIdx.x < 32) {
+    const int lane = int(threadIdx.x);
+    const int run = (num_groups + 31) / 32, lo = min(num_groups, lane * run), hi = min(num_groups, lo + run);
+    int sum = 0;
+    for (int e = lo; e < hi; ++e) sum += (t.count(e) + block_m - 1) / block_m;
+    int incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    int at = incl - sum;
+    for (int e = lo; e < hi; ++e) {
+      ptx::st_shared_u32(t.mb_s + uint32_t(e) * 4u, uint32_t(at));
+      at += (t.count(e) + block_m - 1) / block_m;
+    }
+    if (lane == 31) ptx::st_shared_u32(t.mb_s + uint32_t(num_groups) * 4u, uint32_t(incl));
+  }
+  __syncthreads();
+}
+
 template <int kBlockM, int kGroupN>
 struct GroupedTileScheduler {
   static_assert(kBlockM % 64 == 0, "BLOCK_M must be a multiple of the wgmma M of one warpgroup");
   static_assert(kGroupN >= 1, "the N raster group holds at least one tile");
   static constexpr int kTileM = kBlockM;
 
-  const int* count;
-  const int* offset;
+  TileTables tab;
   int num_groups;
   int n_tiles;
 
   int next_linear = -1;
-  int expert = -1;
-  int expert_first = 0;  // linear index of the expert's first tile
-  int expert_tiles = 0;
-  int expert_m_blocks = 0;
-  int expert_rows = 0;
+  int expert = 0;           // the expert of the last tile found (a block's tile index only grows)
+  int expert_m_blocks = 0;  // of that expert
 
-  // Counts read per round trip while walking past experts. Why: the walk was one dependent L2 load
-  // per expert (~0.5-1 us each), so every role of every block spent ~E_loc round trips finding its
-  // first and last tile. Why ld_ca_s32 (L1-cached) for the counts and offsets: see there; with
-  // L2-only loads every warp of the grid queued on the same line.
-  static constexpr int kCountBatch = 8;
+  __device__ GroupedTileScheduler(const TileTables& tab_, int num_groups_, int n_tiles_)
+      : tab(tab_), num_groups(num_groups_), n_tiles(n_tiles_) {}
 
-  __device__ GroupedTileScheduler(const int* count_, const int* offset_, int num_groups_, int n_tiles_)
-      : count(count_), offset(offset_), num_groups(num_groups_), n_tiles(n_tiles_) {}
+  // The call's tiles (from the tables).
+  __device__ __forceinline__ int num_tiles() const { return tab.mb(num_groups) * n_tiles; }
 
   // Tile `local` of an expert with m_blocks x n_tiles tiles -> (m_block, n_block).
   // Raster: tiles walk N fastest within a group of kGroupN N-blocks, then M. Blocks running at the
@@ -76,27 +119,22 @@ struct GroupedTileScheduler {
 
  private:
   __device__ __forceinline__ bool walk(GemmTile& t) {
-    // Why a walk and not a prefix array: a block's tile index only grows, so the walk is
-    // amortised O(1) per tile and needs no extra kernel or workspace.
-    while (next_linear >= expert_first + expert_tiles) {
-      int c[kCountBatch];
-#pragma unroll
-      for (int i = 0; i < kCountBatch; ++i)
-        c[i] = expert + 1 + i < num_groups ? ptx::ld_ca_s32(count + expert + 1 + i) : 0;
-#pragma unroll
-      for (int i = 0; i < kCountBatch; ++i) {
-        expert_first += expert_tiles;
-        if (++expert >= num_groups) return false;
-        expert_rows = c[i];
-        expert_m_blocks = (expert_rows + kBlockM - 1) / kBlockM;
-        expert_tiles = expert_m_blocks * n_tiles;
-        if (next_linear < expert_first + expert_tiles) break;
-      }
+    if (next_linear >= num_tiles()) return false;
+    // The tile's expert: the last e with mb[e] x n_tiles <= next_linear (experts without rows share
+    // their successor's mb[e] and are passed over), searched from the previous tile's expert.
+    int lo = expert, hi = num_groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (tab.mb(mid) * n_tiles <= next_linear) lo = mid;
+      else hi = mid - 1;
     }
-    t.expert = expert;
-    locate(next_linear - expert_first, expert_m_blocks, n_tiles, t.m_block, t.n_block);
-    t.row0 = ptx::ld_ca_s32(offset + expert) + t.m_block * kBlockM;
-    t.rows_valid = min(kBlockM, expert_rows - t.m_block * kBlockM);
+    expert = lo;
+    const int mb0 = tab.mb(lo);
+    expert_m_blocks = tab.mb(lo + 1) - mb0;
+    t.expert = lo;
+    locate(next_linear - mb0 * n_tiles, expert_m_blocks, n_tiles, t.m_block, t.n_block);
+    t.row0 = tab.offset(lo) + t.m_block * kBlockM;
+    t.rows_valid = min(kBlockM, tab.count(lo) - t.m_block * kBlockM);
     return true;
   }
 };
