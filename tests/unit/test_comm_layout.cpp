@@ -101,7 +101,6 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                                  {l.combine_epoch_offset(), 8},
                                  {l.combine_done_arrive_offset(), 4},
                                  {l.timeout_record_offset(), 8},
-                                 {l.layout_epoch_offset(), 8},
                                  {l.routing_report_offset(), 8}},  // a 64-bit atomicMax target
                                 l.control_bytes());
 }

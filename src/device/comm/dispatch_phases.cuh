@@ -13,8 +13,9 @@
 //
 // In the megakernel (kMegakernel) a block goes from its own pull straight to its GEMM tiles, with
 // no grid barrier in between (docs/MEGAKERNEL.md), so three things differ:
-// - the last block writes the pool's counts and offsets right after the segment layout and
-//   releases the layout epoch word; the GEMM schedulers acquire it;
+// - the last block writes the pool's counts and offsets right after the segment layout (for the
+//   code after the kernel's next grid barrier); the GEMMs schedule from each block's own layout
+//   (segment_rows_used);
 // - every pull unit adds 1 per (row, slice) it wrote to the row's m-block arrival counter, with a
 //   gpu-scope release after a proxy fence (the GEMM's TMA reads the rows next);
 // - phase 4 is not run here: the kernel calls dispatch_finish from block 0 after a later grid
@@ -50,17 +51,28 @@ struct NoLayoutHook {
 // segments are laid out and before the pull, with segment_rows(e) = the rows of local expert e's
 // segment this call (its row count rounded up to row_align), read from the block's own smem: no
 // global loads, no grid-wide ordering. The fused kernel prefetches weights there.
+// Local expert e's rows in this call, from the block's segment layout in its smem scratch (`smem`
+// as dispatch_phases left it: base [R][E_loc], then seg [E_loc + 1]) and the last source's counts
+// (this rank's symmetric buffer). seg[e] is the expert's first pool row.
+__device__ __forceinline__ int segment_rows_used(const DispatchParams& p, const int* smem, int e) {
+  const CommShape& s = p.shape;
+  const CommSymLayout sym{s};
+  const int R = s.num_ranks, E_loc = s.experts_per_rank();
+  const int32_t* counts = reinterpret_cast<const int32_t*>(p.sym.ptr[p.rank] + sym.counts_offset());
+  return smem[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e] - smem[R * E_loc + e];
+}
+
 // The pool's expert counts and offsets (E_loc + 1) and recv_tokens, from the block's layout.
-__device__ __forceinline__ void write_pool_counts(const DispatchParams& p, const int* base, const int* seg,
-                                                  const int32_t* counts, int64_t counts_stride, const int* tokens_of) {
+__device__ __forceinline__ void write_pool_counts(const DispatchParams& p, const int* smem, const int* tokens_of) {
   const int R = p.shape.num_ranks, E_loc = p.shape.experts_per_rank();
+  const int* seg = smem + R * E_loc;
   const layout::ExpertPoolLayout& pl = p.pool_layout;
   int32_t* ecount = reinterpret_cast<int32_t*>(p.pool + pl.expert_count_offset());
   int32_t* eoff = reinterpret_cast<int32_t*>(p.pool + pl.expert_offset_offset());
   int32_t* recv_tokens = reinterpret_cast<int32_t*>(p.local_ws + CommLocalLayout{p.shape}.recv_tokens_offset());
   for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) {
     eoff[e] = seg[e];
-    if (e < E_loc) ecount[e] = base[(R - 1) * E_loc + e] + counts[(R - 1) * counts_stride + e] - seg[e];
+    if (e < E_loc) ecount[e] = segment_rows_used(p, smem, e);
   }
   if (threadIdx.x < R) recv_tokens[threadIdx.x] = tokens_of[threadIdx.x];
 }
@@ -184,12 +196,9 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
   int max_tokens_seen = 0;
   for (int r = 0; r < R; ++r) max_tokens_seen = max(max_tokens_seen, tokens_of[r]);
   if constexpr (kMegakernel) {
-    // Why the last block: a small call's pull units sit on the first blocks (first_unit).
-    if (blockIdx.x == gridDim.x - 1) {
-      write_pool_counts(p, base, seg, counts, sym.counts_stride(), tokens_of);
-      __syncthreads();
-      if (threadIdx.x == 0) ptx::st_release_gpu(reinterpret_cast<uint64_t*>(ws + loc.layout_epoch_offset()), epoch);
-    }
+    // Why the last block: a small call's pull units sit on the first blocks (first_unit). Read
+    // after the kernel's next grid barrier (the GEMMs schedule from each block's own layout).
+    if (blockIdx.x == gridDim.x - 1) write_pool_counts(p, smem, tokens_of);
   }
   diag::trace(diag::kDispLayout);
 
@@ -220,8 +229,7 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
   // after the next grid barrier do), and before it they delayed a small call's pull units on the
   // blocks that write them. Why from the last blocks: a small call's pull units sit on the first
   // blocks (first_unit), so the two kinds of work land on different SMs.
-  if (!kMegakernel && blockIdx.x == gridDim.x - 1)
-    write_pool_counts(p, base, seg, counts, sym.counts_stride(), tokens_of);
+  if (!kMegakernel && blockIdx.x == gridDim.x - 1) write_pool_counts(p, smem, tokens_of);
   // Padding rows of each segment: weight 0 and an invalid source, so nothing reads garbage.
   // Why the clamp: counts from peers that disagree with our pool size must not write past it
   // (pull_token_slice drops such rows the same way and reports them).
@@ -252,5 +260,6 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
 
 using dispatch_detail::dispatch_finish_reread;
 using dispatch_detail::dispatch_phases;
+using dispatch_detail::segment_rows_used;
 
 }  // namespace epmoe::comm

@@ -24,11 +24,11 @@
 //   bounded wait), issues fence.proxy.async.global, then its TMA loads. The L1 epilogue reads
 //   row_weight with ld.global.cg; it is ordered after the pullers' release through the producer's
 //   acquire, its mbarrier arrive (release, CTA scope) and the math thread's mbarrier wait (acquire).
-// - the pool's expert counts / offsets (and recv_tokens) are written by the last block right after
-//   the segment layout; its thread 0 releases the layout epoch word (st.release.gpu) after a
-//   __syncthreads. Each block's thread 0 acquires it (bounded wait) and then meets its block at a
-//   __syncthreads before any role reads the counts, which the schedulers do with ld.global.ca
-//   (ptx::ld_ca_s32: the acquire orders them after the writes and drops the SM's stale L1 lines).
+// - the GEMM schedulers read each block's own segment layout (the dispatch's smem scratch, copied
+//   into the scheduler tables before the roles start) and the last source's counts in this rank's
+//   symmetric buffer, which the block acquired in the dispatch's phase 2. The pool's expert
+//   counts / offsets (and recv_tokens), written by the last block right after its layout, are read
+//   only after the grid barrier below.
 // - the L1 epilogue writes a_pool / a_scale that L2 reads through TMA on any SM: every writing
 //   thread issues fence.proxy.async.global, the math warpgroup meets at a named barrier, one
 //   thread adds to ready[m-block] with red.release.gpu; the L2 producer acquires the count
@@ -265,19 +265,20 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       return;
     }
   };
-  const uint64_t dispatch_epoch = comm::dispatch_phases<kFp8, Cfg::kWarps, /*kMegakernel=*/true>(
-      p.dispatch, reinterpret_cast<int*>(smem), prefetch_first_weights);
-  // No grid barrier: this block's GEMM tiles start once the pool's counts are published (the
-  // layout epoch word, released by the block that wrote them) and, tile by tile, once their rows
-  // arrived (the L1 producer waits on arrive[]). The smem scratch of dispatch was read with generic
-  // loads and is overwritten by TMA next.
+  const int* layout_scratch = reinterpret_cast<int*>(smem);
+  comm::dispatch_phases<kFp8, Cfg::kWarps, /*kMegakernel=*/true>(p.dispatch, reinterpret_cast<int*>(smem),
+                                                                 prefetch_first_weights);
+  // No grid barrier: this block's GEMM tiles start from its own copy of the segment layout (every
+  // block computed the same one in its smem scratch) and, tile by tile, once their rows arrived
+  // (the L1 producer waits on arrive[]). The scheduler tables of both GEMMs (one pool) come from
+  // that copy; the scratch was read with generic loads and is overwritten by TMA next.
+  const int E_loc = p.dispatch.shape.experts_per_rank();
+  scheduler::fill_tile_tables(
+      gemm::tile_tables<typename Cfg::L1>(),
+      [&](int e) { return comm::segment_rows_used(p.dispatch, layout_scratch, e); },
+      [&](int e) { return layout_scratch[p.dispatch.shape.num_ranks * E_loc + e]; }, E_loc, gemm::kBlockM);
   ptx::fence_proxy_async_shared_cta();
-  if (threadIdx.x == 0)
-    comm::wait_geq_acquire_gpu(site, reinterpret_cast<const uint64_t*>(p.dispatch.local_ws + loc.layout_epoch_offset()),
-                               dispatch_epoch, "layout_epoch", int(blockIdx.x));
   __syncthreads();
-  // The GEMMs' scheduler tables from the pool's counts and offsets (L1 and L2 read the same pool).
-  gemm::fill_tile_tables_for<typename Cfg::L1>(p.l1);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 

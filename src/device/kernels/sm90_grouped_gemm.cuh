@@ -110,7 +110,10 @@ __device__ __forceinline__ typename Cfg::Scheduler make_scheduler(const GroupedG
 // Every thread of the block, before any role schedules a tile of `p`.
 template <class Cfg>
 __device__ __forceinline__ void fill_tile_tables_for(const GroupedGemmParams& p) {
-  scheduler::fill_tile_tables(tile_tables<Cfg>(), p.expert_count, p.expert_offset, p.num_groups, kBlockM);
+  // ld.global.ca: see ptx::ld_ca_s32 (the arrays were written by an earlier kernel).
+  scheduler::fill_tile_tables(
+      tile_tables<Cfg>(), [&](int e) { return ptx::ld_ca_s32(p.expert_count + e); },
+      [&](int e) { return ptx::ld_ca_s32(p.expert_offset + e); }, p.num_groups, kBlockM);
 }
 
 template <class Cfg>

@@ -119,9 +119,7 @@ struct CommLocalLayout {
   // written once at create. Why here too (the params carry it as well): a WaitSite built only from
   // (rank, timeout, status word) finds it next to the status word (see comm/wait.h).
   EPMOE_HD int64_t timeout_record_offset() const { return 40; }
-  // u64: the fused kernel's dispatch epoch whose pool counts and offsets are written (the block
-  // that writes them releases it; every block acquires it before its GEMM tiles). Never reset.
-  EPMOE_HD int64_t layout_epoch_offset() const { return 48; }
+  // Bytes 48-55 are free.
   // u64: the last dispatch epoch whose first out-of-range expert index was reported (atomicMax
   // elects one reporter per call; layout::RoutingRecord). Never reset.
   EPMOE_HD int64_t routing_report_offset() const { return 56; }

@@ -23,7 +23,8 @@ struct GemmTile {
 };
 
 // The scheduler's tables in shared memory, filled once per GEMM call by every thread of the block
-// (fill_tile_tables) from the pool's counts and offsets: mb[e] = m-blocks of the experts before e
+// (fill_tile_tables) from the pool's counts and offsets (the fused kernel: from the block's own
+// segment layout): mb[e] = m-blocks of the experts before e
 // (e = 0..num_groups), count[e], offset[e]. Why tables: walking the counts in global memory cost a
 // dependent load per 8 experts for every role of every block (each role walks from expert 0), up to
 // ~6 us before a decode call's first tile with 64 experts per rank (per-block trace).
@@ -39,14 +40,14 @@ struct TileTables {
   }
 };
 
-// Every thread of the block calls it (two __syncthreads); then any role may schedule. count and
-// offset as in gemm::GroupedGemmParams (read with ld.global.ca: see ptx::ld_ca_s32).
-__device__ __forceinline__ void fill_tile_tables(const TileTables& t, const int* count, const int* offset,
+// Every thread of the block calls it (two __syncthreads); then any role may schedule.
+// count_of(e) / offset_of(e): expert e's rows and first pool row, read by one thread each.
+template <class CountOf, class OffsetOf>
+__device__ __forceinline__ void fill_tile_tables(const TileTables& t, const CountOf& count_of, const OffsetOf& offset_of,
                                                  int num_groups, int block_m) {
   for (int e = int(threadIdx.x); e < num_groups; e += int(blockDim.x)) {
-    const int c = ptx::ld_ca_s32(count + e);
-    ptx::st_shared_u32(t.mb_s + (t.max_groups + 1u + uint32_t(e)) * 4u, uint32_t(c));
-    ptx::st_shared_u32(t.mb_s + (2u * t.max_groups + 1u + uint32_t(e)) * 4u, uint32_t(ptx::ld_ca_s32(offset + e)));
+    ptx::st_shared_u32(t.mb_s + (t.max_groups + 1u + uint32_t(e)) * 4u, uint32_t(count_of(e)));
+    ptx::st_shared_u32(t.mb_s + (2u * t.max_groups + 1u + uint32_t(e)) * 4u, uint32_t(offset_of(e)));
   }
   __syncthreads();
   // Exclusive scan of the m-block counts by warp 0: each lane sums a run of experts, then a shuffle scan.
