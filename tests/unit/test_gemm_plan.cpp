@@ -55,6 +55,10 @@ TEST(GemmPlan, RejectsBadShapes) {
     g.num_groups = 0;
     EXPECT_EQ(l1_code(dt, g, 128, 128), StatusCode::kInvalidArgument);
     g = good_args();
+    g.num_groups = epmoe::Limits::kMaxExpertsPerRank + 1;  // the scheduler tables' size
+    EXPECT_EQ(l1_code(dt, g, 128, 128), StatusCode::kInvalidArgument);
+    EXPECT_EQ(l2_code(dt, g, 128, 256), StatusCode::kInvalidArgument);
+    g = good_args();
     g.expert_offset = nullptr;
     EXPECT_EQ(l1_code(dt, g, 128, 128), StatusCode::kInvalidArgument);
   }

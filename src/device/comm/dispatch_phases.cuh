@@ -42,15 +42,15 @@ __host__ __device__ __forceinline__ int dispatch_smem_ints(const layout::CommSha
 namespace dispatch_detail {
 
 // The default for dispatch_phases' after_layout hook: nothing.
+// after_layout(segment_rows): called by lane 0 of the last warp of every block once the expert
+// segments are laid out and before the pull, with segment_rows(e) = the rows of local expert e's
+// segment this call (its row count rounded up to row_align), read from the block's own smem: no
+// global loads, no grid-wide ordering. The fused kernel prefetches weights there.
 struct NoLayoutHook {
   template <class CountOf>
   __device__ void operator()(const CountOf&) const {}
 };
 
-// after_layout(segment_rows): called by lane 0 of the last warp of every block once the expert
-// segments are laid out and before the pull, with segment_rows(e) = the rows of local expert e's
-// segment this call (its row count rounded up to row_align), read from the block's own smem: no
-// global loads, no grid-wide ordering. The fused kernel prefetches weights there.
 // Local expert e's rows in this call, from the block's segment layout in its smem scratch (`smem`
 // as dispatch_phases left it: base [R][E_loc], then seg [E_loc + 1]) and the last source's counts
 // (this rank's symmetric buffer). seg[e] is the expert's first pool row.

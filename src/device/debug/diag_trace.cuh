@@ -45,7 +45,7 @@ enum TracePoint : int {
   // the megakernel
   kFusedEntry,         // kernel entry
   kFusedInit,          // mbarriers initialised
-  kFusedBarrier1,      // past the dispatch and the wait for the layout epoch (no grid barrier there)
+  kFusedBarrier1,      // past the dispatch and the scheduler tables' fill (no grid barrier there)
   kFusedGemm,          // this block's GEMM roles done (roles-done barrier for the producer warpgroup)
   kFusedBarrier2,      // past the grid barrier after the GEMMs
   kFusedReset,         // ready[] reset

@@ -95,7 +95,6 @@ struct Sm90GroupedGemmConfig {
 // tiles (the fused kernel). Why carried states: the fused kernel runs L1 and then L2 on
 // the same ring and barriers, so L2 continues at the phase L1 stopped at.
 
-// Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
 // The scheduler tables of this block (scheduler::TileTables), filled by fill_tile_tables_for at the
 // start of each GEMM.
 template <class Cfg>
@@ -116,6 +115,7 @@ __device__ __forceinline__ void fill_tile_tables_for(const GroupedGemmParams& p)
       [&](int e) { return ptx::ld_ca_s32(p.expert_offset + e); }, p.num_groups, kBlockM);
 }
 
+// Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
 template <class Cfg>
 __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                                     const GroupedGemmParams& p,

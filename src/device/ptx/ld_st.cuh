@@ -78,14 +78,14 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
   return v;
 }
 
-// Cached in L1 as well (ld.global.ca): for small arrays that every warp of every block reads and
-// nobody writes while they are read: the GEMM schedulers' expert counts and offsets (s32), the
-// comm phases' epoch words (u64). Written
-// before the reader's grid started (the standalone kernels), or before a grid barrier whose
-// gpu-scope acquire orders the reading block after the writers (the fused kernel: the acquire
-// also drops the SM's stale L1 lines, CCTL.IVALL in the SASS). Why not ld_cg_s32: with .cg every
-// warp's request goes to the one L2 line that holds the counts; 132 blocks x 9 roles x 32
-// experts queued there, and the walk took ~4 us of an empty GEMM kernel's ~11 us (ncu, one H200).
+// Cached in L1 as well (ld.global.ca): for small arrays that every block reads and nobody writes
+// while they are read: the standalone GEMMs' expert counts and offsets (s32, copied once per block
+// into the scheduler tables), the pool's used rows after the fused kernel's grid barrier, the comm
+// phases' epoch words (u64). Written before the reader's grid started (the standalone kernels), or
+// before a grid barrier whose gpu-scope acquire orders the reading block after the writers (the
+// fused kernel: the acquire also drops the SM's stale L1 lines, CCTL.IVALL in the SASS). Why not
+// ld_cg_s32: with .cg every warp's request went to the one L2 line that holds the counts (when every
+// role walked them: ~4 us of an empty GEMM kernel's ~11 us, ncu, one H200).
 __device__ __forceinline__ int ld_ca_s32(const int* p) {
   int v;
   asm volatile("ld.global.ca.s32 %0, [%1];" : "=r"(v) : "l"(p));

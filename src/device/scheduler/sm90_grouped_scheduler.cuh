@@ -2,8 +2,8 @@
 // [offset[e], offset[e] + count[e]); its output is cut into ceil(count/kBlockM) x n_tiles tiles.
 // In the static order (next) block b takes linear tiles b, b + gridDim.x, ...; the per-expert
 // counts are read on the device (into shared-memory tables), so the grid (one block per SM) never
-// depends on routing. Every
-// role of a block walks its own copy of the scheduler and sees the same tile sequence. The fused
+// depends on routing. Every role of a block walks its own copy of the scheduler and sees the same
+// tile sequence. The fused
 // kernel's producer may instead claim tiles from a grid-wide counter and publish them to the math
 // warpgroups, whose copies then seek to each published index (Sm90TmaProducer::run).
 #pragma once
