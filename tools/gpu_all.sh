@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|gemm-peer-turns|layer-peer|e2e-stats|validate]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|gemm-peer-turns|decode-gemm|layer-peer|e2e-stats|validate]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
 # tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
@@ -196,6 +196,25 @@ fi
 # checks the outputs against an fp32 reference and times the kernels in turns; once with randn data
 # and once with random e4m3 codes. EPMOE_TURNS_ARGS: more arguments (shapes G,M,N,K, --zipf,
 # --decode, --rounds, --iters). EPMOE_TURNS_TESTS=1: the GEMM tests first.
+if [ "$mode" = decode-gemm ]; then
+  # One GPU: the GEMMs of a decode call (one m-block per active expert, so fewer tiles than SMs)
+  # beside DeepGEMM's, in turns on the same tensors with CUDA graphs, then ncu of both kernels at
+  # (8,8,1536,2048) (docs/DESIGN.md, "Decode latency": DeepGEMM picks 16-column tiles with 12 stages
+  # there). EPMOE_DECODE_SHAPES overrides the shapes.
+  peer_setup || { summary+=("peer_setup: FAILED"); finish; }
+  shapes=${EPMOE_DECODE_SHAPES:-8,8,1536,2048 8,8,2048,768 2,8,1536,2048 8,8,4096,7168 8,8,7168,2048}
+  # shellcheck disable=SC2086
+  step decode_turns 330 python3 python/benchmarks/gemm_vs_deepgemm.py --no-kernel-list --graph on \
+    --lib "$bin/libepmoe_gemm_ctypes.so" --json "$out/decode_turns.json" $shapes
+  prof=("${ncu_gemm[@]}" --section LaunchStats --section Occupancy)
+  step ncu_decode_deepgemm 200 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:sm90_fp8_gemm_1d2d" \
+    -o "$out/ncu_decode_deepgemm" python3 .gpu/peers/deepgemm_gemm.py 8,8,1536,2048
+  ncu_export ncu_decode_deepgemm
+  step ncu_decode_ours 200 "${ncu_bin:-/nonexistent/ncu}" "${prof[@]}" -k "regex:ILb1ELNS0_12Sm90EpilogueE1ELi4EE" \
+    -o "$out/ncu_decode_ours" "$bin/epmoe-bench" gemm --dtype fp8 --iters 1 --shape 8,8,1536,2048
+  ncu_export ncu_decode_ours
+  finish
+fi
 if [ "$mode" = gemm-peer-turns ]; then
   peer_setup || { summary+=("peer_setup: FAILED"); finish; }
   [ "${EPMOE_TURNS_TESTS:-0}" = 1 ] && step gpu_tests 300 "$bin/epmoe_gpu_tests" --gtest_brief=1
