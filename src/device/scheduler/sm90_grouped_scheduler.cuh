@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "device/ptx/ld_st.cuh"
+#include "device/scheduler/tile_search.h"
 
 namespace epmoe::scheduler {
 
@@ -92,17 +93,9 @@ struct GroupedTileScheduler {
   // The call's tiles (from the tables).
   __device__ __forceinline__ int num_tiles() const { return tab.mb(num_groups) * n_tiles; }
 
-  // Tile `local` of an expert with m_blocks x n_tiles tiles -> (m_block, n_block).
-  // Raster: tiles walk N fastest within a group of kGroupN N-blocks, then M. Blocks running at the
-  // same time share a few weight N-blocks and activation M-blocks, which stay in L2.
+  // Tile `local` of an expert with m_blocks x n_tiles tiles -> (m_block, n_block) (locate_tile).
   __device__ __forceinline__ static void locate(int local, int m_blocks, int n_tiles, int& m_block, int& n_block) {
-    const int group_span = m_blocks * kGroupN;
-    const int group = local / group_span;
-    const int first_n = group * kGroupN;
-    const int width = min(kGroupN, n_tiles - first_n);
-    const int within = local - group * group_span;
-    n_block = first_n + within % width;
-    m_block = within / width;
+    locate_tile<kGroupN>(local, m_blocks, n_tiles, m_block, n_block);
   }
 
   // Static order: block b takes linear tiles b, b + gridDim.x, ... (the standalone kernels).
@@ -121,14 +114,10 @@ struct GroupedTileScheduler {
  private:
   __device__ __forceinline__ bool walk(GemmTile& t) {
     if (next_linear >= num_tiles()) return false;
-    // The tile's expert: the last e with mb[e] x n_tiles <= next_linear (experts without rows share
-    // their successor's mb[e] and are passed over), searched from the previous tile's expert.
-    int lo = expert, hi = num_groups - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (tab.mb(mid) * n_tiles <= next_linear) lo = mid;
-      else hi = mid - 1;
-    }
+    // Searched from the previous tile's expert (tile_expert). Why a copy in the capture: with a
+    // reference ptxas allocated registers differently in the K loops' neighbourhood (same
+    // instructions, other registers); the copy gives the SASS of the search written inline.
+    const int lo = tile_expert([t = tab](int e) { return t.mb(e); }, expert, num_groups, n_tiles, next_linear);
     expert = lo;
     const int mb0 = tab.mb(lo);
     expert_m_blocks = tab.mb(lo + 1) - mb0;
