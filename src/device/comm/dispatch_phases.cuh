@@ -101,10 +101,9 @@ __device__ __forceinline__ void dispatch_finish_reread(const DispatchParams& p) 
   dispatch_finish(p, epoch);
 }
 
-// Returns this call's dispatch epoch.
 template <bool kFp8, int kWarps, bool kMegakernel = false, class AfterLayout = NoLayoutHook>
-__device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int* smem,
-                                                    const AfterLayout& after_layout = AfterLayout{}) {
+__device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
+                                                const AfterLayout& after_layout = AfterLayout{}) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
@@ -252,7 +251,6 @@ __device__ __forceinline__ uint64_t dispatch_phases(const DispatchParams& p, int
     if (last) dispatch_finish(p, epoch);
   }
   diag::trace(diag::kDispEnd);
-  return epoch;
 }
 
 

@@ -3,9 +3,9 @@
 // In the static order (next) block b takes linear tiles b, b + gridDim.x, ...; the per-expert
 // counts are read on the device (into shared-memory tables), so the grid (one block per SM) never
 // depends on routing. Every role of a block walks its own copy of the scheduler and sees the same
-// tile sequence. The fused
-// kernel's producer may instead claim tiles from a grid-wide counter and publish them to the math
-// warpgroups, whose copies then seek to each published index (Sm90TmaProducer::run).
+// tile sequence. The fused kernel's producer may instead claim tiles from a grid-wide counter and
+// publish them to the math warpgroups, whose copies then seek to each published index
+// (Sm90TmaProducer::run).
 #pragma once
 
 #include <cstdint>

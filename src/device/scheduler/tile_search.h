@@ -32,11 +32,7 @@ EPMOE_HD void locate_tile(int local, int m_blocks, int n_tiles, int& m_block, in
   const int group_span = m_blocks * kGroupN;
   const int group = local / group_span;
   const int first_n = group * kGroupN;
-#if defined(__CUDA_ARCH__)
-  const int width = min(kGroupN, n_tiles - first_n);
-#else
   const int width = kGroupN < n_tiles - first_n ? kGroupN : n_tiles - first_n;
-#endif
   const int within = local - group * group_span;
   n_block = first_n + within % width;
   m_block = within / width;
