@@ -416,6 +416,110 @@ TEST(GemmManyTilesPerBlock, DeferredAndPartialTilesMix) {
     for (bool l1 : {false, true}) run_case(Case{d, l1, counts, 1024, 640}, fresh_seed());
 }
 
+// A tile of <= 64 rows runs on one math warpgroup (the other idle), a larger one on both (64 rows
+// each; run, run_rings). The same rows must come out bit for bit the same either way: each output
+// row depends only on its own A row, whatever the tile's count (a decode call and a larger one
+// give a token the same result). One expert, the same data, called with a count of <= 64 and
+// again with more; rows [0, small) are compared, outputs (and L1's scales) poisoned before each
+// call. K = 512 takes the whole-ring loop for the larger tile, 640 the general one.
+TEST(GemmFp8SmallTiles, SameBitsAsWholeTiles) {
+  EPMOE_REQUIRE_GPUS(1);
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  for (int k : {512, 640})
+    for (bool l1 : {false, true}) {
+      const int N = 512;                 // L2: hidden; L1: 2 x intermediate
+      const int NO = l1 ? N / 2 : N;     // output columns
+      const int64_t rows = 128, ss = rows;
+      std::vector<uint8_t> a_q(rows * size_t(k)), w_q(size_t(N) * k);
+      std::vector<float> a_s(size_t(k / 128) * ss), w_s(size_t(N / 128) * (k / 128)), row(k), srow(k / 128);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float mag = std::ldexp(1.0f, int(rng() % 7) - 3);
+        for (auto& v : row) v = uni(rng) * mag;
+        ref::quantize_1x128(row.data(), k, false, a_q.data() + r * k, srow.data());
+        for (int g = 0; g < k / 128; ++g) a_s[g * ss + r] = srow[g];
+      }
+      std::vector<float> wf(size_t(N) * k);
+      for (auto& v : wf) v = uni(rng) * 0.05f;
+      ref::quantize_128x128(wf.data(), N, k, false, w_q.data(), w_s.data());
+      std::vector<float> rw(rows);
+      for (auto& v : rw) v = 0.1f + 0.9f * (uni(rng) * 0.5f + 0.5f);
+
+      DeviceBuf<int> d_count(1), d_offset(2);
+      d_offset.upload({0, int(rows)});
+      DeviceBuf<uint8_t> d_a(a_q.size()), d_w(w_q.size()), d_w_int(w_q.size());
+      DeviceBuf<float> d_as(a_s.size()), d_ws(w_s.size()), d_ws_int(w_s.size()), d_rw(rows);
+      DeviceBuf<uint8_t> d_out(rows * size_t(NO) * (l1 ? 1 : 2));
+      DeviceBuf<float> d_out_s(size_t(NO / 128) * ss);
+      ASSERT_NE(d_out_s.ptr, nullptr);
+      d_a.upload(a_q);
+      d_as.upload(a_s);
+      d_w.upload(w_q);
+      d_ws.upload(w_s);
+      d_rw.upload(rw);
+      gemm::GroupedArgs args{1, d_count.ptr, d_offset.ptr, rows, ss};
+      if (l1)
+        EPMOE_OK(gemm::prepare_w1(DType::kFP8, d_w.ptr, d_ws.ptr, d_w_int.ptr, d_ws_int.ptr, 1, N / 2, k, nullptr));
+      else
+        EPMOE_OK(gemm::prepare_w2(DType::kFP8, d_w.ptr, d_ws.ptr, d_w_int.ptr, d_ws_int.ptr, 1, N, k, nullptr));
+      auto call = [&](int count, std::vector<uint8_t>& out, std::vector<float>& out_s) {
+        d_count.upload({count});
+        EPMOE_CUDA_OK(cudaMemset(d_out.ptr, 0xFF, d_out.n));
+        EPMOE_CUDA_OK(cudaMemset(d_out_s.ptr, 0xFF, d_out_s.n * 4));
+        if (l1)
+          EPMOE_OK(gemm::l1(DType::kFP8, args, d_a.ptr, d_as.ptr, d_w_int.ptr, d_ws_int.ptr, d_rw.ptr, k, N / 2,
+                            0.0f, false, d_out.ptr, d_out_s.ptr, nullptr));
+        else
+          EPMOE_OK(gemm::l2(DType::kFP8, args, d_a.ptr, d_as.ptr, d_w_int.ptr, d_ws_int.ptr, k, N, d_out.ptr, nullptr));
+        EPMOE_CUDA_OK(cudaDeviceSynchronize());
+        out = d_out.download();
+        out_s = d_out_s.download();
+      };
+      const struct { int small, large; } pairs[] = {{64, 100}, {1, 128}, {37, 65}};
+      for (const auto& pr : pairs) {
+        SCOPED_TRACE(std::string(l1 ? "L1" : "L2") + " K=" + std::to_string(k) + " rows " + std::to_string(pr.small) +
+                     " against " + std::to_string(pr.large));
+        std::vector<uint8_t> o_small, o_large;
+        std::vector<float> s_small, s_large;
+        call(pr.small, o_small, s_small);
+        call(pr.large, o_large, s_large);
+        const size_t row_bytes = size_t(NO) * (l1 ? 1 : 2);
+        int64_t differ = 0, poisoned = 0;
+        for (int r = 0; r < pr.small; ++r)
+          for (size_t b = 0; b < row_bytes; ++b) {
+            differ += o_small[r * row_bytes + b] != o_large[r * row_bytes + b];
+            poisoned += o_small[r * row_bytes + b] == 0xFF;
+          }
+        EXPECT_EQ(differ, 0) << "output bytes differ";
+        EXPECT_LT(poisoned, int64_t(pr.small) * int64_t(row_bytes) / 16) << "rows left unwritten";
+        if (l1)
+          for (int g = 0; g < NO / 128; ++g)
+            for (int r = 0; r < pr.small; ++r) {
+              uint32_t a, b;
+              std::memcpy(&a, &s_small[g * ss + r], 4);
+              std::memcpy(&b, &s_large[g * ss + r], 4);
+              ASSERT_EQ(a, b) << "scale of row " << r << " group " << g;
+              ASSERT_TRUE(std::isfinite(s_small[g * ss + r])) << "row " << r << " group " << g;
+            }
+        // Rows past the count stay untouched.
+        for (int64_t r = pr.small; r < rows; ++r)
+          for (size_t b = 0; b < row_bytes; ++b)
+            ASSERT_EQ(o_small[r * row_bytes + b], 0xFF) << "row " << r << " past the count was written";
+      }
+    }
+}
+
+// Many experts of 1-64 rows: every tile has one working math warpgroup, and each block runs
+// several in a row, so the idle warpgroup runs ahead into the next tile (the other cases here give
+// each block at most one tile of <= 64 rows).
+TEST(GemmFp8SmallTiles, ManyPerBlock) {
+  EPMOE_REQUIRE_GPUS(1);
+  std::vector<int> counts;
+  for (int e = 0; e < 160; ++e) counts.push_back(1 + (e * 29) % 64);
+  for (bool l1 : {false, true}) run_case(Case{DType::kFP8, l1, counts, 512, 640}, fresh_seed());
+}
+
 // The layer's use of a plan: built once, launched on several calls whose expert counts change on
 // the device in between. Also: a stale error from an unrelated runtime call is not blamed on the
 // launch (launch returns cudaLaunchKernelEx's own result, never cudaGetLastError).
