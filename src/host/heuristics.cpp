@@ -30,8 +30,9 @@ Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const Tuning
   t.fused_deferred_epilogue = o.fused_epilogue != 0 ? o.fused_epilogue == 2
                                                     : num_tokens * s.topk >= int64_t(256) * s.experts_per_rank;
   // Why no prefetch: since the GEMM tiles wait for their rows and not for a grid barrier, the
-  // prefetch's 34 MB (8 K blocks) only delayed the pull; no prefetch was fastest at 1, 8 and 128
-  // tokens at R = 1 and at R = 4 (docs/DESIGN.md, "The megakernel's schedule").
+  // prefetch's 34 MB (8 K blocks) only delayed the pull; no prefetch was fastest of 0-16 K blocks
+  // at 1, 8 and 128 tokens at R = 1, and faster than 8 at R = 4 (docs/DESIGN.md, "The
+  // megakernel's schedule").
   t.fused_prefetch_k_blocks = o.fused_prefetch_k_blocks >= 0 ? o.fused_prefetch_k_blocks : 0;
   t.fused_b_first = o.fused_b_first >= 0 ? o.fused_b_first == 1 : tiny;
   // Claims, measured at R = 1 (three rounds, docs/DESIGN.md, "The megakernel's schedule"): they

@@ -8,8 +8,9 @@
 //   strided: the checkpoint layout [rows][K] (a box reads 256 lines at a K-byte pitch);
 //   tiled:   the same bytes pre-tiled so that every (256-row, 128-byte K block) box is 32 KB of
 //            contiguous memory.
-// The L2 is flushed before every timed launch (cold) unless --warm. Prints one line per
-// configuration: microseconds, GB/s over the grid and per block.
+// The L2 is flushed before every timed launch (cold: a 256 MB memset, which leaves dirty lines
+// behind) unless --warm. Prints one line per configuration: microseconds (launch included), GB/s
+// of everything that landed (weights and A boxes) over the grid and per block, and of the weights.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -124,7 +125,8 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e1));
   std::printf("tma_stream_probe on %d SMs, %s L2; B box 256 x 128 B (32 KB) per K block, A box 128 x 128 B\n", sms,
               warm ? "warm" : "flushed");
-  std::printf("%-8s %5s %6s %6s %5s %9s %10s %12s\n", "layout", "K", "blocks", "stages", "A", "us", "GB/s", "GB/s/block");
+  std::printf("%-8s %5s %6s %6s %5s %9s %10s %12s %13s\n", "layout", "K", "blocks", "stages", "A", "us", "GB/s",
+              "GB/s/block", "weights GB/s");
   for (int tiled : {0, 1})
     for (int k : {2048, 7168})
       for (int blocks : {12, 48, sms})
@@ -151,9 +153,10 @@ int main(int argc, char** argv) {
             }
             std::sort(times.begin(), times.end());
             const float us = times[times.size() / 2];
-            const double bytes = double(blocks) * kblocks * stage_bytes;
-            std::printf("%-8s %5d %6d %6d %5d %9.2f %10.1f %12.1f\n", tiled ? "tiled" : "strided", k, blocks, stages,
-                        with_a, us, bytes / us * 1e-3, bytes / us * 1e-3 / blocks);
+            const double bytes = double(blocks) * kblocks * stage_bytes;  // what landed, A boxes included
+            const double weight_bytes = double(blocks) * kblocks * kTileB;
+            std::printf("%-8s %5d %6d %6d %5d %9.2f %10.1f %12.1f %13.1f\n", tiled ? "tiled" : "strided", k, blocks,
+                        stages, with_a, us, bytes / us * 1e-3, bytes / us * 1e-3 / blocks, weight_bytes / us * 1e-3);
           }
   return 0;
 }
