@@ -40,10 +40,15 @@ constexpr uint32_t kTileA = 128 * 128;
 
 __global__ void __launch_bounds__(64, 1)
     stream_kernel(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap amap, int kblocks,
-                  int stages, int tiled, int with_a, unsigned long long* sink) {
+                  int stages, int tiled, int with_a, int box_rows, unsigned long long* sink,
+                  const uint8_t* bulk_src = nullptr, int bulk_copies = 1) {
   extern __shared__ uint8_t raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t stage_bytes = kTileB + (with_a ? kTileA : 0);
+  // box_rows < 256 (strided layout, no A): each K block's 256 rows come as 256 / box_rows boxes,
+  // one per stage.
+  const int per_kb = 256 / box_rows;
+  const uint32_t stage_bytes = uint32_t(box_rows) * 128 + (with_a ? kTileA : 0);
+  const int loads = kblocks * per_kb;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * stage_bytes);
   uint64_t* empty = full + stages;
   if (threadIdx.x == 0) {
@@ -55,21 +60,31 @@ __global__ void __launch_bounds__(64, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int kb = 0; kb < kblocks; ++kb) {
-      const int s = kb % stages, use = kb / stages;
+    for (int i = 0; i < loads; ++i) {
+      const int s = i % stages, use = i / stages, kb = i / per_kb, j = i % per_kb;
       if (use > 0)
         while (!epmoe::ptx::mbarrier_try_wait_parity_acquire_cta_s(epmoe::ptx::smem_u32(&empty[s]), uint32_t(use - 1) & 1u)) {
         }
       epmoe::ptx::mbarrier_arrive_expect_tx_release_cta(&full[s], stage_bytes);
       const int32_t c0 = tiled ? 0 : kb * 128;
-      const int32_t c1 = tiled ? (int32_t(blockIdx.x) * kblocks + kb) * 256 : int32_t(blockIdx.x) * 256;
-      epmoe::ptx::tma_load_2d(smem + s * stage_bytes, &wmap, &full[s], c0, c1);
+      const int32_t c1 =
+          tiled ? (int32_t(blockIdx.x) * kblocks + kb) * 256 : int32_t(blockIdx.x) * 256 + j * box_rows;
+      if (bulk_src) {
+        // --bulk: the block's bytes as one contiguous region (pre-tiled weights), each stage in
+        // bulk_copies plain bulk copies.
+        const uint8_t* src = bulk_src + (int64_t(blockIdx.x) * loads + i) * stage_bytes;
+        const uint32_t part = stage_bytes / uint32_t(bulk_copies);
+        for (int c = 0; c < bulk_copies; ++c)
+          epmoe::ptx::bulk_copy_g2s(smem + s * stage_bytes + c * part, src + c * part, part, &full[s]);
+      } else {
+        epmoe::ptx::tma_load_2d(smem + s * stage_bytes, &wmap, &full[s], c0, c1);
+      }
       if (with_a) epmoe::ptx::tma_load_2d(smem + s * stage_bytes + kTileB, &amap, &full[s], kb * 128, 0);
     }
   } else if (threadIdx.x == 32) {
     uint32_t acc = 0;
-    for (int kb = 0; kb < kblocks; ++kb) {
-      const int s = kb % stages, use = kb / stages;
+    for (int i = 0; i < loads; ++i) {
+      const int s = i % stages, use = i / stages;
       while (!epmoe::ptx::mbarrier_try_wait_parity_acquire_cta_s(epmoe::ptx::smem_u32(&full[s]), uint32_t(use) & 1u)) {
       }
       acc += *reinterpret_cast<volatile uint32_t*>(smem + s * stage_bytes);  // touch the stage
@@ -101,9 +116,16 @@ CUtensorMap make_map(EncodeFn encode, void* base, uint64_t cols, uint64_t rows, 
 
 }  // namespace
 
+// --boxes: the same bytes per block in smaller boxes (256, 64 or 16 rows of 128 bytes, one per
+// stage) through deeper rings, weights only, strided layout: does a block stream faster with more,
+// smaller loads in flight (DeepGEMM's decode tiles are 16 rows wide with 12 stages)?
 int main(int argc, char** argv) {
-  bool warm = false;
-  for (int i = 1; i < argc; ++i) warm |= std::strcmp(argv[i], "--warm") == 0;
+  bool warm = false, boxes = false, bulk = false;
+  for (int i = 1; i < argc; ++i) {
+    warm |= std::strcmp(argv[i], "--warm") == 0;
+    boxes |= std::strcmp(argv[i], "--boxes") == 0;
+    bulk |= std::strcmp(argv[i], "--bulk") == 0;
+  }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   void* p = nullptr;
@@ -125,6 +147,69 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e1));
   std::printf("tma_stream_probe on %d SMs, %s L2; B box 256 x 128 B (32 KB) per K block, A box 128 x 128 B\n", sms,
               warm ? "warm" : "flushed");
+  if (bulk) {
+    // --bulk: the same bytes per block (256 rows x K) from contiguous memory by plain bulk copies
+    // (what a pre-tiled, pre-swizzled weight layout would allow), 32 KB stages in 1, 2 or 8 copies.
+    std::printf("%5s %6s %7s %6s %9s %10s %12s\n", "K", "blocks", "copies", "stages", "us", "GB/s", "GB/s/block");
+    for (int k : {2048, 7168})
+      for (int blocks : {12, 48, sms})
+        for (int copies : {1, 2, 8})
+          for (int stages : {2, 4, 6}) {
+            const size_t smem = size_t(stages) * kTileB + 2 * stages * 8 + 1024;
+            const int kblocks = k / 128;
+            const CUtensorMap wmap = make_map(encode, w, uint64_t(k), uint64_t(blocks) * 256, 256);
+            std::vector<float> times;
+            for (int rep = 0; rep < 6; ++rep) {
+              if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
+              CK(cudaEventRecord(e0));
+              stream_kernel<<<blocks, 64, smem>>>(wmap, wmap, kblocks, stages, 0, 0, 256, sink, w, copies);
+              CK(cudaEventRecord(e1));
+              CK(cudaEventSynchronize(e1));
+              CK(cudaGetLastError());
+              float ms = 0;
+              CK(cudaEventElapsedTime(&ms, e0, e1));
+              if (rep > 0) times.push_back(ms * 1000.0f);
+            }
+            std::sort(times.begin(), times.end());
+            const float us = times[times.size() / 2];
+            const double bytes = double(blocks) * kblocks * kTileB;
+            std::printf("%5d %6d %7d %6d %9.2f %10.1f %12.1f\n", k, blocks, copies, stages, us, bytes / us * 1e-3,
+                        bytes / us * 1e-3 / blocks);
+          }
+    return 0;
+  }
+  if (boxes) {
+    std::printf("%5s %6s %9s %6s %9s %10s %12s\n", "K", "blocks", "box rows", "stages", "us", "GB/s", "GB/s/block");
+    for (int k : {2048, 7168})
+      for (int blocks : {12, 48, sms})
+        for (int box_rows : {256, 64, 16})
+          for (int stages : {4, 8, 16, 32}) {
+            const uint32_t stage_bytes = uint32_t(box_rows) * 128;
+            const size_t smem = size_t(stages) * stage_bytes + 2 * stages * 8 + 1024;
+            if (smem > 227 * 1024) continue;
+            const int kblocks = k / 128;
+            const CUtensorMap wmap = make_map(encode, w, uint64_t(k), uint64_t(blocks) * 256, uint32_t(box_rows));
+            const CUtensorMap amap = make_map(encode, a, uint64_t(k), 128, 128);
+            std::vector<float> times;
+            for (int rep = 0; rep < 6; ++rep) {
+              if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
+              CK(cudaEventRecord(e0));
+              stream_kernel<<<blocks, 64, smem>>>(wmap, amap, kblocks, stages, 0, 0, box_rows, sink);
+              CK(cudaEventRecord(e1));
+              CK(cudaEventSynchronize(e1));
+              CK(cudaGetLastError());
+              float ms = 0;
+              CK(cudaEventElapsedTime(&ms, e0, e1));
+              if (rep > 0) times.push_back(ms * 1000.0f);
+            }
+            std::sort(times.begin(), times.end());
+            const float us = times[times.size() / 2];
+            const double bytes = double(blocks) * kblocks * 256 * 128;
+            std::printf("%5d %6d %9d %6d %9.2f %10.1f %12.1f\n", k, blocks, box_rows, stages, us, bytes / us * 1e-3,
+                        bytes / us * 1e-3 / blocks);
+          }
+    return 0;
+  }
   std::printf("%-8s %5s %6s %6s %5s %9s %10s %12s %13s\n", "layout", "K", "blocks", "stages", "A", "us", "GB/s",
               "GB/s/block", "weights GB/s");
   for (int tiled : {0, 1})
@@ -143,7 +228,7 @@ int main(int argc, char** argv) {
             for (int rep = 0; rep < 6; ++rep) {
               if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
               CK(cudaEventRecord(e0));
-              stream_kernel<<<blocks, 64, smem>>>(wmap, amap, kblocks, stages, tiled, with_a, sink);
+              stream_kernel<<<blocks, 64, smem>>>(wmap, amap, kblocks, stages, tiled, with_a, 256, sink);
               CK(cudaEventRecord(e1));
               CK(cudaEventSynchronize(e1));
               CK(cudaGetLastError());
