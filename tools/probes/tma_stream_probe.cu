@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(64, 1)
       epmoe::ptx::mbarrier_init(&full[s], 1);
       epmoe::ptx::mbarrier_init(&empty[s], 1);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    epmoe::ptx::fence_mbarrier_init_release_cluster();
   }
   __syncthreads();
   if (threadIdx.x == 0) {
