@@ -11,6 +11,7 @@
 // The L2 is flushed before every timed launch (cold: a 256 MB memset, which leaves dirty lines
 // behind) unless --warm. Prints one line per configuration: microseconds (launch included), GB/s
 // of everything that landed (weights and A boxes) over the grid and per block, and of the weights.
+// --boxes and --bulk: the same bytes in smaller boxes, or by plain bulk copies (see main).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -116,9 +117,6 @@ CUtensorMap make_map(EncodeFn encode, void* base, uint64_t cols, uint64_t rows, 
 
 }  // namespace
 
-// --boxes: the same bytes per block in smaller boxes (256, 64 or 16 rows of 128 bytes, one per
-// stage) through deeper rings, weights only, strided layout: does a block stream faster with more,
-// smaller loads in flight (DeepGEMM's decode tiles are 16 rows wide with 12 stages)?
 int main(int argc, char** argv) {
   bool warm = false, boxes = false, bulk = false;
   for (int i = 1; i < argc; ++i) {
@@ -147,6 +145,23 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e1));
   std::printf("tma_stream_probe on %d SMs, %s L2; B box 256 x 128 B (32 KB) per K block, A box 128 x 128 B\n", sms,
               warm ? "warm" : "flushed");
+  // The median of 5 timed launches (after one untimed), each after an L2 flush unless --warm.
+  const auto median_us = [&](const auto& launch) {
+    std::vector<float> times;
+    for (int rep = 0; rep < 6; ++rep) {
+      if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
+      CK(cudaEventRecord(e0));
+      launch();
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      CK(cudaGetLastError());
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      if (rep > 0) times.push_back(ms * 1000.0f);
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
   if (bulk) {
     // --bulk: the same bytes per block (256 rows x K) from contiguous memory by plain bulk copies
     // (what a pre-tiled, pre-swizzled weight layout would allow), 32 KB stages in 1, 2 or 8 copies.
@@ -158,20 +173,8 @@ int main(int argc, char** argv) {
             const size_t smem = size_t(stages) * kTileB + 2 * stages * 8 + 1024;
             const int kblocks = k / 128;
             const CUtensorMap wmap = make_map(encode, w, uint64_t(k), uint64_t(blocks) * 256, 256);
-            std::vector<float> times;
-            for (int rep = 0; rep < 6; ++rep) {
-              if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
-              CK(cudaEventRecord(e0));
-              stream_kernel<<<blocks, 64, smem>>>(wmap, wmap, kblocks, stages, 0, 0, 256, sink, w, copies);
-              CK(cudaEventRecord(e1));
-              CK(cudaEventSynchronize(e1));
-              CK(cudaGetLastError());
-              float ms = 0;
-              CK(cudaEventElapsedTime(&ms, e0, e1));
-              if (rep > 0) times.push_back(ms * 1000.0f);
-            }
-            std::sort(times.begin(), times.end());
-            const float us = times[times.size() / 2];
+            const float us = median_us(
+                [&] { stream_kernel<<<blocks, 64, smem>>>(wmap, wmap, kblocks, stages, 0, 0, 256, sink, w, copies); });
             const double bytes = double(blocks) * kblocks * kTileB;
             std::printf("%5d %6d %7d %6d %9.2f %10.1f %12.1f\n", k, blocks, copies, stages, us, bytes / us * 1e-3,
                         bytes / us * 1e-3 / blocks);
@@ -179,6 +182,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (boxes) {
+    // --boxes: the same bytes per block in smaller boxes (256, 64 or 16 rows of 128 bytes, one per
+    // stage) through deeper rings, weights only, strided layout: does a block stream faster with
+    // more, smaller loads in flight (DeepGEMM's decode tiles are 16 rows wide with 12 stages)?
     std::printf("%5s %6s %9s %6s %9s %10s %12s\n", "K", "blocks", "box rows", "stages", "us", "GB/s", "GB/s/block");
     for (int k : {2048, 7168})
       for (int blocks : {12, 48, sms})
@@ -190,20 +196,8 @@ int main(int argc, char** argv) {
             const int kblocks = k / 128;
             const CUtensorMap wmap = make_map(encode, w, uint64_t(k), uint64_t(blocks) * 256, uint32_t(box_rows));
             const CUtensorMap amap = make_map(encode, a, uint64_t(k), 128, 128);
-            std::vector<float> times;
-            for (int rep = 0; rep < 6; ++rep) {
-              if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
-              CK(cudaEventRecord(e0));
-              stream_kernel<<<blocks, 64, smem>>>(wmap, amap, kblocks, stages, 0, 0, box_rows, sink);
-              CK(cudaEventRecord(e1));
-              CK(cudaEventSynchronize(e1));
-              CK(cudaGetLastError());
-              float ms = 0;
-              CK(cudaEventElapsedTime(&ms, e0, e1));
-              if (rep > 0) times.push_back(ms * 1000.0f);
-            }
-            std::sort(times.begin(), times.end());
-            const float us = times[times.size() / 2];
+            const float us = median_us(
+                [&] { stream_kernel<<<blocks, 64, smem>>>(wmap, amap, kblocks, stages, 0, 0, box_rows, sink); });
             const double bytes = double(blocks) * kblocks * 256 * 128;
             std::printf("%5d %6d %9d %6d %9.2f %10.1f %12.1f\n", k, blocks, box_rows, stages, us, bytes / us * 1e-3,
                         bytes / us * 1e-3 / blocks);
@@ -224,20 +218,8 @@ int main(int argc, char** argv) {
             const CUtensorMap wmap = tiled ? make_map(encode, w, 128, uint64_t(blocks) * kblocks * 256, 256)
                                            : make_map(encode, w, uint64_t(k), uint64_t(blocks) * 256, 256);
             const CUtensorMap amap = make_map(encode, a, uint64_t(k), 128, 128);
-            std::vector<float> times;
-            for (int rep = 0; rep < 6; ++rep) {
-              if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
-              CK(cudaEventRecord(e0));
-              stream_kernel<<<blocks, 64, smem>>>(wmap, amap, kblocks, stages, tiled, with_a, 256, sink);
-              CK(cudaEventRecord(e1));
-              CK(cudaEventSynchronize(e1));
-              CK(cudaGetLastError());
-              float ms = 0;
-              CK(cudaEventElapsedTime(&ms, e0, e1));
-              if (rep > 0) times.push_back(ms * 1000.0f);
-            }
-            std::sort(times.begin(), times.end());
-            const float us = times[times.size() / 2];
+            const float us = median_us(
+                [&] { stream_kernel<<<blocks, 64, smem>>>(wmap, amap, kblocks, stages, tiled, with_a, 256, sink); });
             const double bytes = double(blocks) * kblocks * stage_bytes;  // what landed, A boxes included
             const double weight_bytes = double(blocks) * kblocks * kTileB;
             std::printf("%-8s %5d %6d %6d %5d %9.2f %10.1f %12.1f %13.1f\n", tiled ? "tiled" : "strided", k, blocks,
