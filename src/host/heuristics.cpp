@@ -1,5 +1,6 @@
 #include "host/heuristics.h"
 
+#include <cmath>
 #include <mutex>
 
 namespace epmoe::heuristics {
@@ -14,6 +15,15 @@ namespace {
 // gains at 1 token and costs at 8 or 128.
 bool tiny_call(const LayerShape& s, int64_t num_tokens) {
   return num_tokens * s.topk <= int64_t(s.experts_per_rank);
+}
+
+// The L1 tiles of a rank that receives num_tokens x topk rows spread uniformly over its experts (the
+// expected number of experts with rows, times the tiles per expert); 0 when the shape does not say.
+double expected_l1_tiles(const LayerShape& s, int64_t num_tokens) {
+  if (s.l1_tiles_per_expert <= 0 || s.grid <= 0 || s.experts_per_rank <= 0) return 0.0;
+  const double e = double(s.experts_per_rank);
+  const double active = e * (1.0 - std::pow(1.0 - 1.0 / e, double(num_tokens * s.topk)));
+  return active * double(s.l1_tiles_per_expert);
 }
 
 }  // namespace
@@ -39,7 +49,12 @@ Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const Tuning
   // took 90 us off 4096 tokens, 70 off 8192, 35 off 1024 and 17 off 8; in tiny calls they were
   // 2-10 us slower at 1-2 tokens (means of two calls; also with each block's first tile static)
   // and level at 4, so they stay off there, where the decode calls of 1-2 tokens are.
-  t.fused_claim_tiles = o.fused_claim_tiles >= 0 ? o.fused_claim_tiles == 1 : !tiny;
+  // In tiny calls the static order, unless the busiest rank is expected to have more L1 tiles than
+  // the grid has blocks: measured at R = 4 (4x H100, docs/DESIGN.md), the DSV3 slice at 2 tokens
+  // (~12.5 active experts x 16 tiles) was 12-16 us faster with claims, and calls whose tiles fit one
+  // wave level or 1.5-3 us slower.
+  t.fused_claim_tiles = o.fused_claim_tiles >= 0 ? o.fused_claim_tiles == 1
+                                                 : !tiny || expected_l1_tiles(s, num_tokens) > double(s.grid);
   return t;
 }
 

@@ -33,6 +33,10 @@ struct Tuning {
 struct LayerShape {
   int topk = 0;
   int experts_per_rank = 0;
+  // For the megakernel's tile claims in tiny calls: L1 tiles per expert with rows (ceil(2I / 256))
+  // and the megakernel's grid; 0 = unknown (tiny calls then keep the static order).
+  int l1_tiles_per_expert = 0;
+  int grid = 0;
 };
 
 // The comm kernels' shape: the grid's upper bound and the work per token.

@@ -494,8 +494,9 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   // This call's tuning choices (src/host/heuristics.h), with the overrides copied at create.
   heuristics::Tuning tuning(int num_tokens) const {
-    return heuristics::choose_layer_tuning(heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank()}, num_tokens,
-                                           overrides_);
+    const int l1_tiles = (2 * cfg_.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
+    return heuristics::choose_layer_tuning(
+        heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank(), l1_tiles, fused_grid_}, num_tokens, overrides_);
   }
 
   // Collective, after DispatchHandle::create: every rank learns whether planning the GEMMs and

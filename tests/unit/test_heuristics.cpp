@@ -25,6 +25,28 @@ TEST(Heuristics, LayerTuningFollowsTheCallSize) {
   EXPECT_TRUE(choose_layer_tuning(s, 1024, none).fused_deferred_epilogue);
 }
 
+// Tiny calls claim tiles once the busiest rank is expected to have more L1 tiles than the grid has
+// blocks (the DSV3 slice: 16 tiles per expert, 32 experts per rank, a grid of 132).
+TEST(Heuristics, TinyCallsClaimTilesBeyondOneWave) {
+  const TuningOverrides none;
+  const LayerShape dsv3{8, 32, 16, 132};
+  // 1 token: 8 rows, ~7.2 experts, ~115 tiles: one wave, static order.
+  EXPECT_FALSE(choose_layer_tuning(dsv3, 1, none).fused_claim_tiles);
+  // 2 tokens: 16 rows, ~12.5 experts, ~200 tiles: claims (still a tiny call otherwise).
+  const Tuning t = choose_layer_tuning(dsv3, 2, none);
+  EXPECT_TRUE(t.fused_claim_tiles);
+  EXPECT_TRUE(t.weights_evict_first);
+  EXPECT_TRUE(t.fused_b_first);
+  // The Qwen3-like shape (6 tiles per expert, 64 experts per rank): ~46 and ~85 tiles at 1 and 2
+  // tokens: static.
+  const LayerShape qwen3{8, 64, 6, 132};
+  EXPECT_FALSE(choose_layer_tuning(qwen3, 1, none).fused_claim_tiles);
+  EXPECT_FALSE(choose_layer_tuning(qwen3, 2, none).fused_claim_tiles);
+  // Without the tile count or the grid, tiny calls keep the static order.
+  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32}, 2, none).fused_claim_tiles);
+  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32, 16, 0}, 2, none).fused_claim_tiles);
+}
+
 TEST(Heuristics, OverridesForceTheLayerChoices) {
   const LayerShape s{8, 32};
   TuningOverrides o;
