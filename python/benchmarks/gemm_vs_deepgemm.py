@@ -2,7 +2,7 @@
 
     python3 python/benchmarks/gemm_vs_deepgemm.py [G,M,N,K ...] [--data randn|codes] [--zipf]
         [--decode] [--rounds 5] [--iters 20] [--graph auto|on|off] [--json PATH] [--lib PATH]
-        [--lib-b PATH]
+        [--lib-b PATH] [--cutlass-lib [PATH]] [--cutlass-configs NAME,...]
     python3 python/benchmarks/gemm_vs_deepgemm.py --dry-run [...]     # no GPU needed
 
 Why this script and not epmoe-bench gemm + deepgemm_gemm.py one after the other: under the power cap
@@ -40,6 +40,19 @@ inside every call).
 inputs and take the same turns as b_l2 / b_l1; its L2 output is checked against the reference like
 the first's, and one more line per shape gives its ratios to DeepGEMM and to the first build.
 
+--cutlass-lib [PATH]: CUTLASS's sm90 FP8 grouped GEMMs with block-scaled accumulation
+(KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum), built by
+tools/probes/build_cutlass_probe.sh into libepmoe_cutlass_probe.so (PATH; without one,
+.gpu/bin/libepmoe_cutlass_probe.so). Each of its configs (--cutlass-configs: a subset, by name)
+becomes one more kernel in the turns, cutlass:<config>, on the same tensors: created once per shape
+(every host step, including a compact per-group copy of the activation scales, which CUTLASS's
+grouped mainloop reads as [K/128][rows of the group]; not timed), run once into a NaN-filled output
+and checked against the fp32 reference with --tol like DeepGEMM and L2. A config that fails to set
+up or to match the reference fails the run (exit 1) and is left out of the turns (unless
+--time-failed); the other kernels are still timed. One line per config and shape gives its
+TFLOP/s, its ratios to DeepGEMM and, per round, the L2 kernel's time over its own (> 1: CUTLASS is
+faster).
+
 The library is libepmoe_gemm_ctypes.so (bench/ctypes/gemm_ctypes.cpp): --lib, else
 $EPMOE_GEMM_CTYPES_LIB, else .gpu/bin/ (tools/stage_gpu.sh), else build/. The SM clock and board
 power are sampled every 20 ms if pynvml imports. Exit status: 0, or 1 if a check failed.
@@ -67,7 +80,9 @@ LIB_VERSION = 1  # EPMOE_GEMM_CTYPES_VERSION
 STATUS_NAMES = ["Ok", "InvalidArgument", "Unsupported", "CudaError", "NcclError", "Timeout", "Internal"]
 DEFAULT_SHAPES = ["8,4096,4096,7168", "8,4096,7168,2048", "32,1024,4096,7168", "32,1024,7168,2048"]
 NK_PAIRS = [(4096, 7168), (7168, 2048)]  # the DSV3 slice's L1 (N = 2I, K = H) and L2 (N = H, K = I)
-KERNELS = ["deepgemm", "epmoe_l2", "epmoe_l1", "b_l2", "b_l1"]
+KERNELS = ["deepgemm", "epmoe_l2", "epmoe_l1", "b_l2", "b_l1"]  # then cutlass:<config>, if any
+CUTLASS_LIB_NAME = "libepmoe_cutlass_probe.so"
+CUTLASS_LIB_VERSION = 1  # EPMOE_CUTLASS_PROBE_VERSION
 
 
 # ---- shapes and the pool layout ------------------------------------------------------------------
@@ -167,6 +182,77 @@ class GemmLib:
 
     def destroy(self, plan):
         self.lib.epmoe_gemm_ctypes_destroy(plan)
+
+
+class CutlassLib:
+    """ctypes over libepmoe_cutlass_probe.so (tools/probes/cutlass_grouped_fp8.cu): CUTLASS's FP8
+    grouped GEMMs, one handle per config and shape. Its calls return the same status codes as
+    GemmLib's; launch() has GemmLib.launch's signature, so the turns treat both alike."""
+
+    def __init__(self, path: Path):
+        if not path.is_file():
+            raise SystemExit(f"gemm_vs_deepgemm: no {path}; build it with tools/probes/build_cutlass_probe.sh")
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        P, Int, Str = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
+        Ints = ctypes.POINTER(ctypes.c_int)
+        lib.epmoe_cutlass_probe_version.argtypes, lib.epmoe_cutlass_probe_version.restype = [], Int
+        lib.epmoe_cutlass_probe_last_error.argtypes, lib.epmoe_cutlass_probe_last_error.restype = [], Str
+        lib.epmoe_cutlass_probe_num_configs.argtypes, lib.epmoe_cutlass_probe_num_configs.restype = [], Int
+        lib.epmoe_cutlass_probe_config_name.argtypes, lib.epmoe_cutlass_probe_config_name.restype = [Int], Str
+        # create(config, groups, counts, offsets, n, k, a, a_scale, scale_stride, b, b_scale, d, handle)
+        lib.epmoe_cutlass_probe_create.argtypes = [Int, Int, Ints, Ints, Int, Int, P, P, Int, P, P, P,
+                                                   ctypes.POINTER(P)]
+        lib.epmoe_cutlass_probe_create.restype = Int
+        lib.epmoe_cutlass_probe_run.argtypes, lib.epmoe_cutlass_probe_run.restype = [P, P], Int
+        lib.epmoe_cutlass_probe_destroy.argtypes, lib.epmoe_cutlass_probe_destroy.restype = [P], None
+        self.lib = lib
+        version = lib.epmoe_cutlass_probe_version()
+        if version != CUTLASS_LIB_VERSION:
+            raise RuntimeError(f"{path}: library version {version}, this script speaks {CUTLASS_LIB_VERSION}; "
+                               f"rebuild (tools/probes/build_cutlass_probe.sh)")
+        self.configs = [lib.epmoe_cutlass_probe_config_name(i).decode()
+                        for i in range(lib.epmoe_cutlass_probe_num_configs())]
+
+    def _check(self, code: int, what: str):
+        if code != 0:
+            msg = self.lib.epmoe_cutlass_probe_last_error().decode(errors="replace")
+            name = STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else str(code)
+            raise EpmoeError(code, f"{what}: {name}: {msg}")
+
+    def create(self, config: int, counts: list, offsets: list, *, n, k, a, a_scale, scale_stride, b, b_scale, d):
+        """Group g: counts[g] rows from row offsets[g] (host lists). Synchronizes the device."""
+        if len(offsets) < len(counts):
+            raise ValueError(f"{len(counts)} counts but {len(offsets)} offsets")
+        ints = ctypes.c_int * max(len(counts), 1)
+        handle = ctypes.c_void_p()
+        groups = len(counts)
+        self._check(self.lib.epmoe_cutlass_probe_create(config, groups, ints(*counts), ints(*offsets[:groups]), n, k,
+                                                        a, a_scale, scale_stride, b, b_scale, d, ctypes.byref(handle)),
+                    "create")
+        return handle
+
+    def launch(self, handle, stream: int, count: int):
+        run = self.lib.epmoe_cutlass_probe_run
+        for _ in range(count):
+            code = run(handle, stream)
+            if code != 0:
+                self._check(code, "run")
+
+    def destroy(self, handle):
+        self.lib.epmoe_cutlass_probe_destroy(handle)
+
+
+def cutlass_selection(cut: CutlassLib, wanted) -> list:
+    """The indices of the --cutlass-configs names (all configs without the option)."""
+    if not wanted:
+        return list(range(len(cut.configs)))
+    names = [w.strip() for w in wanted.split(",") if w.strip()]
+    unknown = [w for w in names if w not in cut.configs]
+    if unknown or not names:
+        raise SystemExit(f"--cutlass-configs: unknown {', '.join(unknown) or '(none given)'}; "
+                         f"{cut.path} has {', '.join(cut.configs)}")
+    return [cut.configs.index(w) for w in names]
 
 
 def find_lib(arg) -> Path:
@@ -372,13 +458,68 @@ def run_shape(ctx, sh: Shape) -> dict:
         check_outputs(torch, rec, t, sh, d_dg, d_l2, l1, args.tol)
         if b_out:
             check_b(torch, rec, t, sh, d_l2, l1, b_out, args.tol)
-        if rec["ok"] or args.time_failed:
-            time_in_turns(ctx, rec, sh, dg_call, plans)
+        timed, checks_ok = dict(plans), rec["ok"]
+        if ctx.get("cutlass") is not None:
+            # Its handles join `plans` (destroyed below); a config that failed is left out of the turns.
+            timed.update(add_cutlass(ctx, rec, t, sh, d_dg, plans))
+        if checks_ok or args.time_failed:
+            time_in_turns(ctx, rec, sh, dg_call, timed)
     finally:
         torch.cuda.synchronize()
         for n, p in plans.items():
             libs[n].destroy(p)
     return rec
+
+
+def add_cutlass(ctx, rec, t, sh, d_dg, plans) -> dict:
+    """Each selected CUTLASS config on this shape's tensors: created (its handle added to `plans` and
+    its library to ctx["libs"]), run once into a shared NaN-filled output and checked against the
+    fp32 reference on the check group like DeepGEMM and L2 (above --tol fails the shape) and, for
+    information, against DeepGEMM on all valid rows and for untouched padding rows. Returns the
+    configs to time: those that passed, or all that were created with --time-failed."""
+    torch, cut, args, dev = ctx["torch"], ctx["cutlass"], ctx["args"], ctx["device"]
+    N, K = sh.n, sh.k
+    raw = torch.cuda.current_stream().cuda_stream
+    d = torch.empty(t["max_rows"], N, dtype=torch.bfloat16, device=dev)
+    valid = t["m_indices"] >= 0
+    g = rec["check_group"]
+    rows, r0 = sh.rows[g], t["off"][g]
+    ref = reference_group(torch, t, g, rows)
+    timed, out, listed = {}, rec.setdefault("cutlass", {}), False
+    for i in ctx["cutlass_configs"]:
+        name = "cutlass:" + cut.configs[i]
+        try:
+            handle = cut.create(i, sh.rows, t["off"], n=N, k=K, a=t["a"].data_ptr(), a_scale=t["a_sf_mn"].data_ptr(),
+                                scale_stride=t["scale_stride"], b=t["b"].data_ptr(), b_scale=t["b_sf"].data_ptr(),
+                                d=d.data_ptr())
+        except EpmoeError as ex:
+            rec["ok"] = False
+            rec["notes"].append(f"FAIL: {name}: {ex}")
+            out[name] = {"error": str(ex)}
+            continue
+        plans[name] = handle
+        ctx["libs"][name] = cut
+        d.fill_(float("nan"))
+        cut.launch(handle, raw, 1)
+        torch.cuda.synchronize()
+        err = rel_err(torch, d[r0:r0 + rows], ref)
+        vs_dg = rel_err(torch, d[valid], d_dg[valid].float())
+        untouched = bool(torch.isnan(d[~valid].float()).all())
+        out[name] = {"vs_ref": err, "vs_deepgemm": vs_dg, "padding_untouched": untouched}
+        rec["errors"][name + "_vs_ref"] = err
+        print(f"  {name}: rel err vs fp32 ref {err:.2e} (group {g}), vs DeepGEMM (all rows) {vs_dg:.2e}, "
+              f"padding rows {'untouched' if untouched else 'WRITTEN'}", flush=True)
+        if args.kernel_list and not listed:  # one config is enough to show that a call is one kernel
+            listed = True
+            rec.setdefault("launched", {})[name] = kernels_launched(torch, lambda: cut.launch(handle, raw, 1))
+            print(f"  one call launches: {name}: {rec['launched'][name]}", flush=True)
+        if not err <= args.tol:  # NaN fails too
+            rec["ok"] = False
+            rec["notes"].append(f"FAIL: {name} rel err {err:.3e} > {args.tol:g} against the fp32 reference")
+            if not args.time_failed:
+                continue
+        timed[name] = handle
+    return timed
 
 
 def check_b(torch, rec, t, sh, d_l2, l1, b_out, tol):
@@ -478,7 +619,7 @@ def time_in_turns(ctx, rec, sh, dg_call, plans):
                 lib.launch(plan, torch.cuda.current_stream().cuda_stream, iters)
         return batch
 
-    names = [n for n in KERNELS if n == "deepgemm" or n in plans]
+    names = [n for n in KERNELS if n == "deepgemm" or n in plans] + [n for n in plans if n not in KERNELS]
     fns = {n: batch_of(n) for n in names}
     use_graph = args.graph == "on" or (args.graph == "auto" and sum(sh.rows) <= 128 * len(sh.rows))
     for n in names:  # warm-up, before any capture
@@ -536,6 +677,11 @@ def time_in_turns(ctx, rec, sh, dg_call, plans):
             # build b against the first build, per round (its time over b's: > 1 means b is faster)
             paired = [a / b for a, b in zip(ms["epmoe" + n[1:]], ms[n], strict=True)]
             kern[n]["vs_first_paired_median"] = round(statistics.median(paired), 3)
+    for n in names:
+        if n.startswith("cutlass:") and "epmoe_l2" in kern:
+            # the L2 kernel's time over CUTLASS's, per round: > 1 means CUTLASS is faster
+            paired = [a / b for a, b in zip(ms["epmoe_l2"], ms[n], strict=True)]
+            kern[n]["l2_over_paired_median"] = round(statistics.median(paired), 3)
     rec["kernels"] = kern
 
 
@@ -546,6 +692,9 @@ def header(args):
           f"ratios to DeepGEMM: of the medians / of the bests / median of the per-round ratios")
     print(f"{'shape (G,M,N,K)':28s} {'data':6s} {'DeepGEMM':>15s} | {'epmoe L2':>15s} {'L2 / DeepGEMM':>18s} | "
           f"{'epmoe L1':>15s} {'L1 / DeepGEMM':>18s} | SM MHz (DG/L2/L1)", flush=True)
+    if args.cutlass_lib:
+        print("  then one line per CUTLASS config: its TFLOP/s and ratios to DeepGEMM, the L2 kernel's time over "
+              "its own per round (> 1: CUTLASS faster), its SM MHz", flush=True)
 
 
 def row_line(rec) -> str:
@@ -569,6 +718,10 @@ def row_line(rec) -> str:
             return f"{k[n]['vs_first_paired_median']:.3f}" if n in k and "vs_first_paired_median" in k[n] else "-"
         line += (f"\n{'  build b':28s} {'':6s} {'':15s} | {tf('b_l2')} {ratio('b_l2'):>18s} | "
                  f"{tf('b_l1')} {ratio('b_l1'):>18s} | b over first (per round): L2 {vs('b_l2')} L1 {vs('b_l1')}")
+    for n in (x for x in k if x.startswith("cutlass:")):
+        l2_over = f"{k[n]['l2_over_paired_median']:.3f}" if "l2_over_paired_median" in k[n] else "-"
+        mhz = k[n]["clock"]["sm_mhz"] if k[n]["clock"] else "-"
+        line += (f"\n{'  ' + n:51s} | {tf(n)} {ratio(n):>18s} | L2 / CUTLASS (per round) {l2_over} | SM MHz {mhz}")
     return line
 
 
@@ -622,6 +775,9 @@ def dry_run(args, shapes) -> int:
             if ex.code != 1 or not re.search(pattern, str(ex)):
                 failures.append(f"{what}: got '{ex}', want InvalidArgument matching '{pattern}'")
 
+    if args.cutlass_lib:
+        failures += cutlass_dry_run(args, expect_invalid)
+
     # Each pointer misaligned in turn: the library names the parameter it landed in, so this checks
     # the argument order of the ctypes signatures against the C functions. Device -1 (the current
     # one): the checks come before any CUDA call.
@@ -670,6 +826,45 @@ def dry_run(args, shapes) -> int:
         print("FAIL:", f)
     print("dry run: " + ("ok" if not failures else f"{len(failures)} failure(s)"))
     return 0 if not failures else 1
+
+
+def cutlass_dry_run(args, expect_invalid) -> list:
+    """--cutlass-lib without a GPU: the version and configs, and bad create() calls refused with their
+    message before any CUDA call (each pointer misaligned in turn checks the ctypes argument order)."""
+    cut = CutlassLib(Path(args.cutlass_lib))
+    picked = cutlass_selection(cut, args.cutlass_configs)
+    print(f"CUTLASS probe {cut.path}: version {CUTLASS_LIB_VERSION}, {len(cut.configs)} configs, timing "
+          + ", ".join(cut.configs[i] for i in picked))
+    failures = []
+    if cut.lib.epmoe_cutlass_probe_config_name(len(cut.configs)) is not None:
+        failures.append("cutlass: a config name past the last config")
+    ok = 1 << 20
+    counts, offsets = [130, 0, 5], [0, 256, 256]
+    good = dict(n=256, k=384, a=ok, a_scale=ok, scale_stride=512, b=ok, b_scale=ok, d=ok)
+
+    def create(config=0, c=counts, o=offsets, **kw):
+        return cut.create(config, c, o, **dict(good, **kw))
+
+    for p in ("a", "a_scale", "b", "b_scale", "d"):
+        expect_invalid(f"cutlass create with {p} misaligned", lambda p=p: create(**{p: ok + 8}),
+                       rf"create: {p} must be 16-byte aligned")
+    expect_invalid("cutlass create with a null pointer", lambda: create(b_scale=None), "one is null")
+    expect_invalid("cutlass create with n=200", lambda: create(n=200), "n=200 and k=384")
+    expect_invalid("cutlass create with config -1", lambda: create(-1),
+                   rf"config=-1 must be in \[0, {len(cut.configs)}\)")
+    expect_invalid("cutlass create past the last config", lambda: create(len(cut.configs)), "config=")
+    expect_invalid("cutlass create with no groups", lambda: create(c=[], o=[]), "groups=0")
+    expect_invalid("cutlass create with an offset not a multiple of 128", lambda: create(o=[0, 200, 256]),
+                   "group 1: count=0 .* offset=200")
+    expect_invalid("cutlass create with a group past scale_stride", lambda: create(scale_stride=260),
+                   "group 2 ends at row 261, past scale_stride=260")
+    try:
+        cut.launch(None, 0, 1)
+        failures.append("cutlass run of a null handle: accepted")
+    except EpmoeError as ex:
+        if ex.code != 1 or "handle is null" not in str(ex):
+            failures.append(f"cutlass run of a null handle: got '{ex}'")
+    return failures
 
 
 def layout_selftest(torch, align: int) -> list:
@@ -744,10 +939,21 @@ def parse_args(argv):
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--lib", help=f"path of {LIB_NAME}")
     p.add_argument("--lib-b", metavar="PATH", help=f"a second build of {LIB_NAME}, timed in the same turns")
+    p.add_argument("--cutlass-lib", metavar="PATH", nargs="?", const=str(ROOT / ".gpu/bin" / CUTLASS_LIB_NAME),
+                   help=f"{CUTLASS_LIB_NAME} (tools/probes/build_cutlass_probe.sh): its CUTLASS grouped GEMM "
+                        f"configs join the turns (PATH default: .gpu/bin/{CUTLASS_LIB_NAME})")
+    p.add_argument("--cutlass-configs", metavar="NAME,...",
+                   help="with --cutlass-lib: only these configs (default: all the library has)")
     p.add_argument("--json", metavar="PATH", help="write the run (settings, clocks, every shape) as JSON")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU: load the library, check its argument checks, print the shapes' layouts")
     args = p.parse_args(argv)
+    if args.cutlass_lib and re.fullmatch(r"\d+,\d+,\d+,\d+", args.cutlass_lib):
+        # `--cutlass-lib G,M,N,K ...`: argparse gave the first shape to the optional PATH.
+        args.shapes.insert(0, args.cutlass_lib)
+        args.cutlass_lib = str(ROOT / ".gpu/bin" / CUTLASS_LIB_NAME)
+    if args.cutlass_configs and not args.cutlass_lib:
+        p.error("--cutlass-configs needs --cutlass-lib")
     for name in ("rounds", "iters", "zipf_rows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -808,11 +1014,14 @@ def main(argv=None) -> int:
     lib_b = GemmLib(Path(args.lib_b)) if args.lib_b else None
     if lib_b is not None and lib_b.row_align != lib.row_align:
         raise SystemExit(f"--lib-b: row_align {lib_b.row_align} differs from the first build's {lib.row_align}")
+    cut = CutlassLib(Path(args.cutlass_lib)) if args.cutlass_lib else None
+    cut_configs = cutlass_selection(cut, args.cutlass_configs) if cut else []
     ctx = dict(torch=torch, dg=deep_gemm, lib=lib, lib_b=lib_b, args=args, device=args.device, align=align,
-               clock=clock)
+               clock=clock, cutlass=cut, cutlass_configs=cut_configs)
     meta = {"gpu": torch.cuda.get_device_name(args.device), "torch": torch.__version__,
             "deep_gemm": getattr(deep_gemm, "__version__", "?"), "commit": git_commit(lib.path), "lib": str(lib.path),
             "lib_b": str(lib_b.path) if lib_b else None,
+            "cutlass_lib": str(cut.path) if cut else None, "cutlass_configs": [cut.configs[i] for i in cut_configs],
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "data": args.data, "rounds": args.rounds,
             "iters": args.iters, "warmup": args.warmup, "graph": args.graph, "deepgemm_sf": args.deepgemm_sf,
             "seed": args.seed, "row_align": align, "tol": args.tol}
