@@ -106,11 +106,8 @@ Status gemm_stall_rank(const RankContext& ctx, Path path, Checked& checked) {
   if (stalled) {
     RANK_CHECK(contains(m, "(GEMM "), ctx, "the stalled rank's record names no GEMM role: " << m);
   } else {
-    // combine_ready in a call that combines partials, combine_rows in one that sends rows (small
-    // calls, docs/COMM.md): either names the stalled rank.
-    const std::string faulty = "[" + std::to_string(kFaultyRank) + "]";
-    RANK_CHECK(contains(m, "(comm): flag combine_ready" + faulty) || contains(m, "(comm): flag combine_rows" + faulty),
-               ctx, "the record does not name the stalled rank's combine flag: " << m);
+    RANK_CHECK(contains(m, "(comm): flag combine_ready[" + std::to_string(kFaultyRank) + "]"), ctx,
+               "the record does not name the stalled rank's combine flag: " << m);
   }
   return Status::Ok();
 }

@@ -46,9 +46,7 @@ TEST(CommLayout, SymmetricRegionsDisjointAndAligned) {
                                {l.stage_x_offset(), l.stage_x_bytes()},
                                {l.stage_scale_offset(), l.stage_scale_bytes()},
                                {l.stage_meta_offset(), l.stage_meta_bytes()},
-                               {l.partials_offset(), l.partials_bytes()},
-                               {l.rows_recv_offset(), l.rows_recv_bytes()},
-                               {l.rows_arrived_offset(), l.rows_arrived_bytes()}},
+                               {l.partials_offset(), l.partials_bytes()}},
                               l.num_bytes());
       EXPECT_EQ(l.stage_x_bytes(), int64_t(8192) * 7168 * (fp8 ? 1 : 2));
       EXPECT_EQ(l.stage_scale_bytes(), fp8 ? int64_t(8192) * 56 * 4 : 0);
@@ -86,8 +84,7 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                            {l.recv_tokens_offset(), l.recv_tokens_bytes()},
                            {l.mblock_ready_offset(), l.mblock_ready_bytes()},
                            {l.mblock_arrive_offset(), l.mblock_ready_bytes()},
-                           {l.tile_claim_offset(), l.tile_claim_bytes()},
-                           {l.mblock_l2done_offset(), l.mblock_ready_bytes()}},
+                           {l.tile_claim_offset(), l.tile_claim_bytes()}},
                           l.num_bytes());
   EXPECT_EQ(l.tile_claim_bytes(), 8);  // the L1 and L2 counters
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
@@ -135,43 +132,3 @@ TEST(CommLayout, PoolHoldsKRowsPerTokenWhenKExceedsLocalExperts) {
 }
 
 }  // namespace
-
-// The combine's rows mode: the receive buffer holds K rows of every token it is used for, the
-// arrival words one per (token, slice), for every shape (and for a workspace's smaller layers).
-TEST(CommLayout, RowsModeFitsItsRegions) {
-  for (const CommShape s : {CommShape{4, 128, 7168, 8, 4096, true, 2}, CommShape{8, 512, 2048, 8, 8192, true, 4},
-                            CommShape{2, 4, 128, 1, 100000, false, 4}, CommShape{2, 64, 7168, 8, 3, true, 2},
-                            CommShape{8, 64, 128, 32, 1, true, 4}}) {
-    const CommSymLayout l{s};
-    const int t = s.rows_tokens();
-    EXPECT_GE(t, 1);
-    EXPECT_LE(t, std::max(1, s.max_tokens));
-    EXPECT_LE(int64_t(t) * s.topk * s.hidden * 2, l.rows_recv_bytes()) << s.hidden << " " << s.topk;
-    EXPECT_LE(int64_t(t) * s.combine_slices() * 8, l.rows_arrived_bytes());
-  }
-  // The DSV3 slice sends rows up to 9 tokens per rank, a Qwen3-like shape up to 32.
-  EXPECT_EQ((CommShape{4, 128, 7168, 8, 4096, true, 2}.rows_tokens()), 9);
-  EXPECT_EQ((CommShape{4, 128, 2048, 8, 4096, true, 2}.rows_tokens()), 32);
-  EXPECT_EQ((CommShape{4, 128, 7168, 8, 4096, true, 2}.combine_slices()), 7);
-  // A layer sharing a workspace: indexed with its own K and H inside regions sized for the room.
-  CommShape small{4, 16, 1024, 2, 4096, true, 2};
-  small.cap = {64, 7168, 8, 7168, 56, 4};
-  const CommSymLayout ls{small};
-  EXPECT_LE(int64_t(small.rows_tokens()) * small.topk * small.hidden * 2, ls.rows_recv_bytes());
-  EXPECT_LE(int64_t(small.rows_tokens()) * small.combine_slices() * 8, ls.rows_arrived_bytes());
-}
-
-// Rows mode's arrival words: one byte lane per expert rank; the report names the first rank short.
-TEST(CommLayout, RowsWordNamesTheMissingRank) {
-  using epmoe::layout::rows_short_rank;
-  using epmoe::layout::rows_word;
-  const uint64_t expected = rows_word(0, 2) + rows_word(3, 1) + rows_word(7, 32);
-  EXPECT_EQ(rows_short_rank(expected, expected), -1);
-  EXPECT_EQ(rows_short_rank(expected, rows_word(0, 2) + rows_word(7, 32)), 3);
-  EXPECT_EQ(rows_short_rank(expected, rows_word(0, 1) + rows_word(3, 1) + rows_word(7, 32)), 0);
-  EXPECT_EQ(rows_short_rank(expected, rows_word(0, 2) + rows_word(3, 1) + rows_word(7, 31)), 7);
-  EXPECT_EQ(rows_short_rank(expected, 0), 0);
-  // K = 32 rows of one token on one rank fill its lane without carrying into the next.
-  EXPECT_EQ(rows_word(6, 32) >> 56, 0u);
-  EXPECT_EQ((rows_word(6, 32) >> 48) & 0xFF, 32u);
-}

@@ -9,14 +9,6 @@
 //      the next dispatch does it, CombineParams::defer_done)
 // The result does not depend on kWarps or the grid: every token is summed in slot order, then
 // in rank order, by one warp.
-// Rows mode (a call in which every source has at most CommShape::rows_tokens() tokens, so every
-// rank chooses alike from the sources' T): phase A sends each of our rows of a token to the token's
-// home rank, into its receive buffer at [slot][token], and adds the row count to the home's
-// arrival word of that (token, slice), in this rank's byte lane (layout::rows_word); phase B waits
-// for each of its (token, slice) words to be complete, then sums the token's slots in slot order.
-// No combine_ready handshake: a home rank waits for its own rows only, and the fused kernel's
-// decode variant sends rows as soon as their L2 tiles are stored (push_rows_mblock, before its
-// grid barrier; rows_pushed). Why: in decode the combine is latency, not bytes (docs/COMM.md).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -75,7 +67,6 @@ __device__ __forceinline__ void add_partial8(float* acc, const char* row, int v)
 }
 
 constexpr int kSliceVecs = 32 * kVecs;  // one work unit covers this many 8-channel vectors of a row
-static_assert(kSliceVecs * 8 == CommShape::kCombineSliceChannels, "combine slices as CommShape counts them");
 
 // Phase A for one slice of one (source, token): sum our rows of it in slot order, push one partial.
 // Why rows in groups of kRowsInFlight: their loads are in flight together (a token has ~K/R rows
@@ -126,170 +117,6 @@ __device__ __forceinline__ void push_partial_slice(const CombineParams& p, const
     const int v = v0 + j * 32 + lane;
     if (v < nvec) store_partial8<kPartialBytes>(dst, v, acc[j]);
   }
-}
-
-// Rows mode: one row's slice of vectors (this lane's kVecs) to its token's home rank, [slot][token].
-__device__ __forceinline__ char* rows_dest(const CombineParams& p, const CommSymLayout& sym, int home, int t, int slot) {
-  return p.sym.ptr[home] + sym.rows_recv_offset() + (int64_t(slot) * p.shape.rows_tokens() + t) * p.shape.hidden * 2;
-}
-__device__ __forceinline__ uint64_t* rows_word_at(const CombineParams& p, const CommSymLayout& sym, int home, int t,
-                                                  int slice) {
-  return p.sym.at<uint64_t>(home, sym.rows_arrived_offset()) + int64_t(t) * p.shape.combine_slices() + slice;
-}
-
-// Rows mode, phase A for one slice of one (source, token): our rows of it, kRowsInFlight at a time,
-// to the source's receive buffer; then one arrival add (after a system-scope fence that covers the
-// whole warp's stores, through __syncwarp).
-__device__ __forceinline__ void push_rows_slice(const CombineParams& p, const CommSymLayout& sym, int src, int t,
-                                                int slice, const int32_t* token_rows) {
-  const CommShape& s = p.shape;
-  const int K = s.topk, lane = threadIdx.x & 31, nvec = s.hidden / 8, v0 = slice * kSliceVecs;
-  const int row = lane < K ? token_rows[(int64_t(src) * s.max_tokens + t) * K + lane] : -1;
-  const unsigned mask = __ballot_sync(0xFFFFFFFFu, row >= 0);
-  diag::trace(diag::kCombUnitRows);
-  if (mask == 0) return;
-  const char* o_pool = p.pool + p.pool_layout.o_pool_offset();
-  const int64_t row_bytes = int64_t(s.hidden) * 2;
-  for (unsigned mk = mask; mk;) {
-    const uint4* r[kRowsInFlight];
-    uint4* d[kRowsInFlight];
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i) {
-      r[i] = nullptr;
-      d[i] = nullptr;
-      if (mk) {
-        const int k = __ffs(mk) - 1;
-        mk &= mk - 1;
-        r[i] = reinterpret_cast<const uint4*>(o_pool + int64_t(__shfl_sync(0xFFFFFFFFu, row, k)) * row_bytes);
-        d[i] = reinterpret_cast<uint4*>(rows_dest(p, sym, src, t, k));
-      }
-    }
-    uint4 buf[kRowsInFlight][kVecs];
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i)
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const int v = v0 + j * 32 + lane;
-        if (r[i] && v < nvec) buf[i][j] = r[i][v];
-      }
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i)
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const int v = v0 + j * 32 + lane;
-        if (d[i] && v < nvec) d[i][v] = buf[i][j];
-      }
-  }
-  diag::trace(diag::kCombUnitSummed);
-  __syncwarp();
-  if (lane == 0) {
-    ptx::fence_acq_rel_sys();
-    ptx::red_add_relaxed_sys(rows_word_at(p, sym, src, t, slice), layout::rows_word(p.rank, __popc(mask)));
-  }
-}
-
-// Rows mode, the fused kernel's early form: one slice of the valid rows of one pool m-block, once
-// that m-block's L2 tiles are all stored (l2done[m] >= l2_target, gpu scope). Rows [row0, row0 + n)
-// of the m-block are valid (the caller knows its segments); each row's token, home and slot come
-// from row_source, which the dispatch's pull wrote before the releases that l2done's acquire
-// follows. One arrival add per row.
-__device__ __forceinline__ void push_rows_mblock(const CombineParams& p, const CommSymLayout& sym, int row0, int n,
-                                                 int slice, const uint32_t* l2done, uint32_t l2_target,
-                                                 const WaitSite& site) {
-  const CommShape& s = p.shape;
-  const int lane = threadIdx.x & 31, nvec = s.hidden / 8, v0 = slice * kSliceVecs;
-  if (lane == 0) wait_geq_acquire_gpu_u32(site, l2done + (row0 >> 7), l2_target, "l2_done", row0 >> 7);
-  __syncwarp();
-  const char* o_pool = p.pool + p.pool_layout.o_pool_offset();
-  const uint32_t* row_source = reinterpret_cast<const uint32_t*>(p.pool + p.pool_layout.row_source_offset());
-  const int64_t row_bytes = int64_t(s.hidden) * 2;
-  for (int base = 0; base < n; base += 32) {
-    const uint32_t src_word = base + lane < n ? row_source[row0 + base + lane] : kInvalidRowSource;
-    const int m = min(32, n - base);
-    for (int i0 = 0; i0 < m; i0 += kRowsInFlight) {
-      uint4 buf[kRowsInFlight][kVecs];
-#pragma unroll
-      for (int i = 0; i < kRowsInFlight; ++i)
-#pragma unroll
-        for (int j = 0; j < kVecs; ++j) {
-          const int v = v0 + j * 32 + lane;
-          if (i0 + i < m && v < nvec)
-            buf[i][j] = reinterpret_cast<const uint4*>(o_pool + int64_t(row0 + base + i0 + i) * row_bytes)[v];
-        }
-#pragma unroll
-      for (int i = 0; i < kRowsInFlight; ++i) {
-        const uint32_t w = __shfl_sync(0xFFFFFFFFu, src_word, (i0 + i) & 31);
-        if (i0 + i >= m || w == kInvalidRowSource) continue;
-        uint4* d = reinterpret_cast<uint4*>(rows_dest(p, sym, layout::RowSource::rank(w), layout::RowSource::token(w),
-                                                      layout::RowSource::slot(w)));
-#pragma unroll
-        for (int j = 0; j < kVecs; ++j) {
-          const int v = v0 + j * 32 + lane;
-          if (v < nvec) d[v] = buf[i][j];
-        }
-      }
-    }
-    __syncwarp();
-    if (lane < m && src_word != kInvalidRowSource) {
-      ptx::fence_acq_rel_sys();
-      ptx::red_add_relaxed_sys(
-          rows_word_at(p, sym, layout::RowSource::rank(src_word), layout::RowSource::token(src_word), slice),
-          layout::rows_word(p.rank, 1));
-    }
-  }
-}
-
-// Rows mode, phase B for one slice of one of our tokens: once every expert rank's rows of it have
-// arrived, y[t] = bf16(sum of its slots' rows, in slot order); then the arrival word back to 0.
-__device__ __forceinline__ void reduce_rows_slice(const CombineParams& p, const CommSymLayout& sym, int t, int slice,
-                                                  const WaitSite& site) {
-  const CommShape& s = p.shape;
-  const int K = s.topk, lane = threadIdx.x & 31, nvec = s.hidden / 8, E_loc = s.experts_per_rank();
-  const int v0 = slice * kSliceVecs;
-  const SlotMeta* meta = reinterpret_cast<const SlotMeta*>(p.sym.ptr[p.rank] + sym.stage_meta_offset());
-  const int e = lane < K ? meta[int64_t(t) * K + lane].expert : -1;
-  const unsigned valid = __ballot_sync(0xFFFFFFFFu, e >= 0);
-  uint64_t expected = 0;
-  for (int d = 0; d < s.num_ranks; ++d)
-    expected += layout::rows_word(d, __popc(__ballot_sync(0xFFFFFFFFu, e >= 0 && e / E_loc == d)));
-  uint64_t* word = rows_word_at(p, sym, p.rank, t, slice);
-  if (lane == 0 && expected) wait_rows_arrived(site, word, expected);
-  __syncwarp();
-  float acc[kVecs][8] = {};
-  for (unsigned mk = valid; mk;) {
-    const uint4* r[kRowsInFlight];
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i) {
-      r[i] = nullptr;
-      if (mk) {
-        const int k = __ffs(mk) - 1;
-        mk &= mk - 1;
-        r[i] = reinterpret_cast<const uint4*>(rows_dest(p, sym, p.rank, t, k));
-      }
-    }
-    uint4 buf[kRowsInFlight][kVecs];
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i)
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const int v = v0 + j * 32 + lane;
-        if (r[i] && v < nvec) buf[i][j] = r[i][v];
-      }
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i)
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j)
-        if (r[i] && v0 + j * 32 + lane < nvec) add_bf16x8(acc[j], buf[i][j]);
-  }
-  uint4* y = reinterpret_cast<uint4*>(p.y + int64_t(t) * s.hidden);
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int v = v0 + j * 32 + lane;
-    if (v < nvec) y[v] = pack_bf16x8(acc[j]);
-  }
-  // Every rank's rows of this (token, slice) are in (nothing more comes this call), and the next
-  // call's come only after our next dispatch has published (after this kernel).
-  if (lane == 0 && expected) *word = 0;
 }
 
 // Phase B for one slice of one of our tokens: y[t] = bf16(sum over expert ranks, in rank order).
@@ -346,10 +173,8 @@ __device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const
   }
 }
 
-// rows_pushed: the caller (the fused kernel's decode variant) already sent this call's rows, if the
-// call is in rows mode (push_rows_mblock); phase A then has nothing to do.
 template <int kPartialBytes, int kWarps>
-__device__ __forceinline__ void combine_phases(const CombineParams& p, bool rows_pushed = false) {
+__device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
@@ -378,23 +203,14 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p, bool rows
   // Phase A.
   int max_t = 0;
   for (int r = 0; r < R; ++r) max_t = max(max_t, recv_tokens[r]);
-  const bool rows = max_t <= s.rows_tokens();
   const int32_t* token_rows = reinterpret_cast<const int32_t*>(ws + loc.token_rows_offset());
-  const int slices = s.combine_slices();
-  const int64_t units_a = rows && rows_pushed ? 0 : int64_t(max_t) * R * slices;
+  const int slices = (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
+  const int64_t units_a = int64_t(max_t) * R * slices;
   const int64_t first_a = first_unit<kWarps>(units_a);
   const bool had_a = first_a < units_a;
-  // Why two loops: one loop with both unit kinds made ptxas spill the partials' buffers.
-  if (rows) {
-    for (int64_t u = first_a; u < units_a; u += nwarps) {
-      const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
-      if (w.t < recv_tokens[w.src]) push_rows_slice(p, sym, w.src, w.t, w.slice, token_rows);
-    }
-  } else {
-    for (int64_t u = first_a; u < units_a; u += nwarps) {
-      const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
-      if (w.t < recv_tokens[w.src]) push_partial_slice<kPartialBytes>(p, sym, w.src, w.t, w.slice, token_rows);
-    }
+  for (int64_t u = first_a; u < units_a; u += nwarps) {
+    const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
+    if (w.t < recv_tokens[w.src]) push_partial_slice<kPartialBytes>(p, sym, w.src, w.t, w.slice, token_rows);
   }
   if (stamps_phase_end(had_a)) stamp_phase(p.phase_ts, kCombinePartials);
   diag::trace(diag::kCombA);
@@ -407,8 +223,8 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p, bool rows
   }
   diag::trace(diag::kCombArrivedA);
 
-  // Phase B (rows mode: each unit waits for its own rows instead).
-  if (!rows && threadIdx.x < R)
+  // Phase B.
+  if (threadIdx.x < R)
     wait_geq_acquire_sys(site, reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineReady, threadIdx.x)),
                          epoch, "combine_ready", threadIdx.x);
   __syncthreads();
@@ -418,12 +234,8 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p, bool rows
   const int64_t units_b = int64_t(T) * slices;
   const int64_t first_b = first_unit<kWarps>(units_b);
   const bool had_b = first_b < units_b;
-  if (rows) {
-    for (int64_t u = first_b; u < units_b; u += nwarps) reduce_rows_slice(p, sym, int(u / slices), int(u % slices), site);
-  } else {
-    for (int64_t u = first_b; u < units_b; u += nwarps)
-      reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
-  }
+  for (int64_t u = first_b; u < units_b; u += nwarps)
+    reduce_token_slice<kPartialBytes>(p, sym, int(u / slices), int(u % slices));
   if (stamps_phase_end(had_b)) stamp_phase(p.phase_ts, kCombineEnd);
   diag::trace(diag::kCombB);
 

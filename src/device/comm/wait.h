@@ -122,37 +122,4 @@ __device__ __forceinline__ uint64_t wait_geq_acquire_gpu(const WaitSite& site, c
   return wait_geq_acquire<false>(site, p, expected, flag, index);
 }
 
-// A 32-bit counter of this GPU's blocks (the fused kernel's L2 completion per pool m-block): waits
-// until *p >= expected, then acquires at gpu scope.
-__device__ __forceinline__ void wait_geq_acquire_gpu_u32(const WaitSite& site, const uint32_t* p, uint32_t expected,
-                                                         const char* flag, int index) {
-  uint32_t seen = ptx::ld_acquire_gpu(p);
-  if (seen >= expected) return;
-  const uint64_t start = ptx::globaltimer_ns();
-  while ((seen = ptx::ld_acquire_gpu(p)) < expected) {
-    const uint64_t waited = ptx::globaltimer_ns() - start;
-    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
-  }
-}
-
-// Rows mode's arrival word (layout::rows_word): waits until *p == expected, every expert rank's byte
-// lane complete, then acquires at system scope. A wait that expires names the first rank whose rows
-// are missing, as combine_rows[rank] with that lane's expected and seen row counts; `token` is not
-// in the report (the rank is what tells a stalled peer).
-__device__ __forceinline__ void wait_rows_arrived(const WaitSite& site, const uint64_t* p, uint64_t expected) {
-  uint64_t seen = ptx::ld_acquire_sys(p);
-  if (seen == expected) return;
-  const uint64_t start = ptx::globaltimer_ns();
-  while ((seen = ptx::ld_relaxed_sys(p)) != expected) {
-    const uint64_t waited = ptx::globaltimer_ns() - start;
-    if (waited > site.timeout_ns) {
-      const int d = layout::rows_short_rank(expected, seen);
-      const int lane = d < 0 ? 0 : d;
-      wait_timed_out(site, "combine_rows", d, (expected >> (8 * lane)) & 0xFFu, (seen >> (8 * lane)) & 0xFFu,
-                     waited);
-    }
-  }
-  (void)ptx::ld_acquire_sys(p);
-}
-
 }  // namespace epmoe::comm

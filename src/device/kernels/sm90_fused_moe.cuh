@@ -145,7 +145,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
                                                  uint32_t* claim, bool b_first,
-                                                 unsigned long long* phase_ts, uint32_t* l2done) {
+                                                 unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   // Whether the producer publishes the tiles and the math warpgroups read them from the slots: with
   // claims, and always in the throughput variant. Why always there: a run-time choice cost that
@@ -189,9 +189,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready, 0u, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
-  // l2done (rows-mode calls of the decode variant): each L2 tile counts its m-block, as L1's do
-  // ready[], so that the combine's rows leave as soon as their m-block is stored.
-  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, l2done, r.tiles_staged, from_slots);
+  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
@@ -269,14 +267,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     }
   };
   const int* layout_scratch = reinterpret_cast<int*>(smem);
-  const int max_tokens = comm::dispatch_phases<kFp8, Cfg::kWarps, /*kMegakernel=*/true>(
-      p.dispatch, reinterpret_cast<int*>(smem), prefetch_first_weights);
-  // The combine's rows mode (comm/combine_phases.cuh): the decode variant sends each m-block's rows
-  // as soon as its L2 tiles are stored, before the grid barrier below, counted in l2done[].
-  // (The throughput variant's full L2 tiles are stored by TMA from the storer; in the rare rows-mode
-  // call that picks it, the combine sends the rows after the barrier.)
-  const bool rows_early = !kDeferred && max_tokens <= p.combine.shape.rows_tokens();
-  uint32_t* l2done = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_l2done_offset());
+  comm::dispatch_phases<kFp8, Cfg::kWarps, /*kMegakernel=*/true>(p.dispatch, reinterpret_cast<int*>(smem),
+                                                                 prefetch_first_weights);
   // No grid barrier: this block's GEMM tiles start from its own copy of the segment layout (every
   // block computed the same one in its smem scratch) and, tile by tile, once their rows arrived
   // (the L1 producer waits on arrive[]). The scheduler tables of both GEMMs (one pool) come from
@@ -295,25 +287,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
       uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, p.b_first != 0,
-      p.phase_ts, rows_early ? l2done : nullptr);
+      p.phase_ts);
   diag::trace(diag::kFusedGemm);
-  if (rows_early) {
-    // Units (m-block g of the pool's valid m-blocks, slice), from the block's scheduler tables; an
-    // m-block's valid rows are its expert's rows in it. Every unit waits only for L2 tiles, which
-    // blocks that have left their GEMM roles no longer hold up.
-    const scheduler::TileTables tt = gemm::tile_tables<typename Cfg::L1>();
-    const int slices = p.combine.shape.combine_slices();
-    const int64_t units = int64_t(tt.mb(E_loc)) * slices;
-    const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p.l2.n + gemm::kBlockN - 1) / gemm::kBlockN));
-    const layout::CommSymLayout sym{p.combine.shape};
-    for (int64_t u = comm::first_unit<Cfg::kWarps>(units); u < units; u += int64_t(gridDim.x) * Cfg::kWarps) {
-      const int g = int(u / slices), slice = int(u % slices);
-      const int e = scheduler::tile_expert([&](int x) { return tt.mb(x); }, 0, E_loc, 1, g);
-      const int j = g - tt.mb(e);
-      comm::combine_detail::push_rows_mblock(p.combine, sym, tt.offset(e) + j * gemm::kBlockM,
-                             min(gemm::kBlockM, tt.count(e) - j * gemm::kBlockM), slice, l2done, target, site);
-    }
-  }
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
   diag::trace(diag::kFusedBarrier2);
@@ -333,7 +308,6 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < used; i += int(gridDim.x * blockDim.x)) {
       ready[i] = 0;
       arrive[i] = 0;
-      if (rows_early) l2done[i] = 0;
     }
     // Every claim (one per tile after the block's first, and one past the end, per block and GEMM)
     // returned before the barrier.
@@ -343,9 +317,9 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
 
   // Combine: partial sums to the source ranks, y at home.
   if (p.combine.shape.partial_bytes == 4) {
-    comm::combine_phases<4, Cfg::kWarps>(p.combine, rows_early);
+    comm::combine_phases<4, Cfg::kWarps>(p.combine);
   } else {
-    comm::combine_phases<2, Cfg::kWarps>(p.combine, rows_early);
+    comm::combine_phases<2, Cfg::kWarps>(p.combine);
   }
   if (p.phase_ts) {
     __syncthreads();

@@ -49,21 +49,6 @@ struct CommShape {
   EPMOE_HD int room_scale_groups() const { return imax(fp8 ? scale_groups() : 0, cap.scale_groups); }
   EPMOE_HD int room_partial_bytes() const { return imax(partial_bytes, cap.partial_bytes); }
 
-  // The combine's rows mode (docs/COMM.md): a call in which no source has more than rows_tokens()
-  // tokens sends every expert-output row to its token's home rank, which sums the slots itself.
-  // Why a byte budget: the rows cost K x H x 2 bytes of NVLink per token where the partials cost
-  // ~R x H x partial bytes, so rows pay only where latency, not bytes, sets the time (decode).
-  static constexpr int64_t kRowsBytes = int64_t(1) << 20;
-  static constexpr int kRowsMaxTokens = 4096;  // >= kRowsBytes / (2 x 128): never the binding one
-  EPMOE_HD int rows_tokens() const {
-    const int64_t t = kRowsBytes / (int64_t(topk) * hidden * 2);
-    const int64_t m = max_tokens < kRowsMaxTokens ? max_tokens : kRowsMaxTokens;
-    return int(t < 1 ? 1 : t < m ? t : m);
-  }
-  // Combine units cover this many channels of a row (the partials' and the rows' slices alike).
-  static constexpr int kCombineSliceChannels = 1024;
-  EPMOE_HD int combine_slices() const { return (hidden + kCombineSliceChannels - 1) / kCombineSliceChannels; }
-
  private:
   EPMOE_HD static int imax(int a, int b) { return a > b ? a : b; }
 };
@@ -105,40 +90,17 @@ struct CommSymLayout {
   EPMOE_HD int64_t partials_bytes() const {
     return int64_t(s.num_ranks) * s.max_tokens * s.room_hidden() * s.room_partial_bytes();
   }
-  // Rows mode, on the home rank: [K][rows_tokens()][H] bf16 expert-output rows, [slot][token]
-  // (written by the expert ranks), and [rows_tokens()][slices] u64 arrival words, one byte lane
-  // per expert rank (rank d adds its row count << 8d; K <= 32 rows per token fit a byte). The
-  // home rank zeroes a word once it has summed that (token, slice). kRowsBytes covers every shape
-  // (rows_tokens() x K x H x 2 <= kRowsBytes).
-  EPMOE_HD int64_t rows_recv_bytes() const { return CommShape::kRowsBytes; }
-  EPMOE_HD int64_t rows_arrived_bytes() const {
-    const int64_t t = s.max_tokens < CommShape::kRowsMaxTokens ? s.max_tokens : CommShape::kRowsMaxTokens;
-    return t * ((s.room_hidden() + CommShape::kCombineSliceChannels - 1) / CommShape::kCombineSliceChannels) * 8;
-  }
 
   EPMOE_HD int64_t counts_offset() const { return next(0, flags_bytes()); }
   EPMOE_HD int64_t stage_x_offset() const { return next(counts_offset(), counts_bytes()); }
   EPMOE_HD int64_t stage_scale_offset() const { return next(stage_x_offset(), stage_x_bytes()); }
   EPMOE_HD int64_t stage_meta_offset() const { return next(stage_scale_offset(), stage_scale_bytes()); }
   EPMOE_HD int64_t partials_offset() const { return next(stage_meta_offset(), stage_meta_bytes()); }
-  EPMOE_HD int64_t rows_recv_offset() const { return next(partials_offset(), partials_bytes()); }
-  EPMOE_HD int64_t rows_arrived_offset() const { return next(rows_recv_offset(), rows_recv_bytes()); }
-  EPMOE_HD int64_t num_bytes() const { return next(rows_arrived_offset(), rows_arrived_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(partials_offset(), partials_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }
 };
-
-// Rows mode's arrival word of one (token, slice) on the home rank: byte lane d counts the rows
-// expert rank d pushed there. The word a home rank waits for, given how many of the token's slots
-// each rank holds (rows_word), and the first rank whose rows are missing from `seen` (-1: none), for
-// the timeout report.
-EPMOE_HD uint64_t rows_word(int rank, int rows) { return uint64_t(rows) << (8 * rank); }
-EPMOE_HD int rows_short_rank(uint64_t expected, uint64_t seen) {
-  for (int d = 0; d < kCommMaxRanks; ++d)
-    if (((seen >> (8 * d)) & 0xFFu) < ((expected >> (8 * d)) & 0xFFu)) return d;
-  return -1;
-}
 
 // Per-rank workspace that no peer touches. Zero-filled once at creation; the kernels leave every
 // counter as they found it (or advance an epoch), so no per-call reset is needed.
@@ -188,9 +150,6 @@ struct CommLocalLayout {
   // there. Zero between calls: block 0 resets them after the grid barrier that follows the GEMMs
   // (docs/MEGAKERNEL.md).
   EPMOE_HD int64_t tile_claim_bytes() const { return 8; }
-  // [pool m-blocks] u32: the fused kernel's L2 completion counter per 128-row block of the pool, in
-  // rows-mode calls of its decode variant: +1 per math warpgroup and L2 tile stored, so an m-block's
-  // o rows are all written at kMathWarpgroups x (H / 256). Same count as ready[], reset with it.
 
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
   EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
@@ -198,8 +157,7 @@ struct CommLocalLayout {
   EPMOE_HD int64_t mblock_ready_offset() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
   EPMOE_HD int64_t mblock_arrive_offset() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
   EPMOE_HD int64_t tile_claim_offset() const { return next(mblock_arrive_offset(), mblock_ready_bytes()); }
-  EPMOE_HD int64_t mblock_l2done_offset() const { return next(tile_claim_offset(), tile_claim_bytes()); }
-  EPMOE_HD int64_t num_bytes() const { return next(mblock_l2done_offset(), mblock_ready_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(tile_claim_offset(), tile_claim_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }

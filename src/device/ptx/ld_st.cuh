@@ -133,12 +133,6 @@ __device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
   return v;
 }
 
-// A peer's 64-bit counter (the combine's rows-mode arrival words): the caller's fence.acq_rel.sys
-// orders what it (and, through a barrier, its warp) wrote before the add.
-__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
