@@ -138,14 +138,9 @@ __device__ __forceinline__ void stage_token_chunk(const DispatchParams& p, int t
 }
 
 // Phase 2: segment starts and per-source bases of our local experts, into shared memory.
-// base[s * E_loc + e] = first row of source s's run inside expert e; seg[e] = segment start;
-// rows[e] = the rows expert e receives from all sources (seg[e] + rows[e] is the segment's first
-// padding row). Why rows too and one read of the counts: the counts are read from global memory once
-// (into base, then turned into offsets in shared memory), and everything after the layout that needs
-// an expert's rows (the padding, the pool's counts, the megakernel's scheduler tables) reads them
-// from shared memory instead of going back to global memory (a decode call's path runs through each).
+// base[s * E_loc + e] = first row of source s's run inside expert e; seg[e] = segment start.
 __device__ inline void layout_segments(const CommShape& s, const int32_t* counts, int64_t counts_stride, int row_align,
-                                       int* base, int* seg, int* rows) {
+                                       int* base, int* seg) {
   const int E_loc = s.experts_per_rank(), R = s.num_ranks, lane = threadIdx.x & 31;
   if (threadIdx.x >= 32) return;
   const int per_lane = (E_loc + 31) / 32;
@@ -153,12 +148,7 @@ __device__ inline void layout_segments(const CommShape& s, const int32_t* counts
   int mine = 0;
   for (int e = e0; e < e1; ++e) {
     int total = 0;
-    for (int r = 0; r < R; ++r) {
-      const int c = counts[r * counts_stride + e];
-      base[r * E_loc + e] = c;
-      total += c;
-    }
-    rows[e] = total;
+    for (int r = 0; r < R; ++r) total += counts[r * counts_stride + e];
     mine += (total + row_align - 1) / row_align * row_align;
   }
   int incl = mine;
@@ -172,9 +162,8 @@ __device__ inline void layout_segments(const CommShape& s, const int32_t* counts
     seg[e] = run;
     int b = run;
     for (int r = 0; r < R; ++r) {
-      const int c = base[r * E_loc + e];
       base[r * E_loc + e] = b;
-      b += c;
+      b += counts[r * counts_stride + e];
     }
     run += (b - run + row_align - 1) / row_align * row_align;
   }

@@ -6,13 +6,10 @@
 //   0  wait until every destination finished pulling our previous staging (epoch - 1)
 //   1  mask out-of-range experts, take row positions per (this source, expert), quantize/stage tokens
 //   -- grid barrier; block 0 publishes per-destination counts and T, then flags dispatch_ready
-//      (a call whose staging fits one block's warps: block 0 alone runs 0, 1 and the publish, with
-//      its cursors in shared memory and a block barrier; the other blocks go straight to phase 2)
 //   2  wait for every source's counts; lay out expert segments (aligned to row_align)
 //   3  pull tokens, write x_pool / x_scale / row_weight / row_source / token_rows
 //   4  last block: tell every source we are done reading, reset cursors, advance the epoch
-// smem: (R + 2) * E_loc + 1 ints of scratch (dynamic shared memory of the caller): base [R][E_loc],
-// seg [E_loc + 1], rows [E_loc] after the layout (before it, a solo call's cursors [E]).
+// smem: (R + 1) * E_loc + 1 ints of scratch (dynamic shared memory of the caller).
 //
 // In the megakernel (kMegakernel) a block goes from its own pull straight to its GEMM tiles, with
 // no grid barrier in between (docs/MEGAKERNEL.md), so three things differ:
@@ -39,7 +36,7 @@ namespace epmoe::comm {
 
 // Scratch ints dispatch_phases needs in shared memory.
 __host__ __device__ __forceinline__ int dispatch_smem_ints(const layout::CommShape& s) {
-  return (s.num_ranks + 2) * s.experts_per_rank() + 1;
+  return (s.num_ranks + 1) * s.experts_per_rank() + 1;
 }
 
 namespace dispatch_detail {
@@ -55,10 +52,14 @@ struct NoLayoutHook {
 };
 
 // Local expert e's rows in this call, from the block's segment layout in its smem scratch (`smem`
-// as dispatch_phases left it: base [R][E_loc], seg [E_loc + 1], then rows [E_loc]).
+// as dispatch_phases left it: base [R][E_loc], then seg [E_loc + 1]) and the last source's counts
+// (this rank's symmetric buffer). seg[e] is the expert's first pool row.
 __device__ __forceinline__ int segment_rows_used(const DispatchParams& p, const int* smem, int e) {
-  const int R = p.shape.num_ranks, E_loc = p.shape.experts_per_rank();
-  return smem[(R + 1) * E_loc + 1 + e];
+  const CommShape& s = p.shape;
+  const CommSymLayout sym{s};
+  const int R = s.num_ranks, E_loc = s.experts_per_rank();
+  const int32_t* counts = reinterpret_cast<const int32_t*>(p.sym.ptr[p.rank] + sym.counts_offset());
+  return smem[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e] - smem[R * E_loc + e];
 }
 
 // The pool's expert counts and offsets (E_loc + 1) and recv_tokens, from the block's layout.
@@ -127,11 +128,18 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineDone, p.rank)), combined);
   }
 
-  // Phase 1 in (token, chunk) units; the chunk-0 warp also stages the routing.
+  // Phase 0: our staging and the counts we wrote last call may still be read by a destination.
+  if (threadIdx.x < R)
+    wait_geq_acquire_sys(site, flag_ptr(me, sym, layout::kFlagDispatchReadDone, threadIdx.x), epoch - 1,
+                         "dispatch_read_done", threadIdx.x);
+  __syncthreads();
+  diag::trace(diag::kDispPhase0);
+
+  // Phase 1: stage our tokens in (token, chunk) units; the chunk-0 warp also stages the routing.
   SlotMeta* meta = reinterpret_cast<SlotMeta*>(me + sym.stage_meta_offset());
   const int chunks = stage_chunks<kFp8>(s);
   const int64_t stage_units = int64_t(p.num_tokens) * chunks;
-  const auto stage_unit = [&](int64_t u, int32_t* cursors) {
+  for (int64_t u = first_unit<kWarps>(stage_units); u < stage_units; u += nwarps) {
     const int t = int(u / chunks), chunk = int(u % chunks);
     // Why the routing in two halves around the chunk: its loads and the chunk's are then in flight
     // together instead of one after the other (a decode call's staging ~0.5 us shorter in the
@@ -141,24 +149,19 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     stage_token_chunk<kFp8>(p, t, chunk, me + sym.stage_x_offset(),
                             reinterpret_cast<float*>(me + sym.stage_scale_offset()));
     if (chunk == 0)
-      stage_routing(p, t, slot, meta, cursors, status,
+      stage_routing(p, t, slot, meta, cursor, status,
                     reinterpret_cast<unsigned long long*>(ws + loc.routing_report_offset()), epoch);
-  };
-  // Phase 0 (before any write a destination may still read: our staging and the counts we wrote
-  // last call), by the R first threads of the blocks that stage.
-  const auto wait_read_done = [&] {
-    if (threadIdx.x < R)
-      wait_geq_acquire_sys(site, flag_ptr(me, sym, layout::kFlagDispatchReadDone, threadIdx.x), epoch - 1,
-                           "dispatch_read_done", threadIdx.x);
-    __syncthreads();
-    diag::trace(diag::kDispPhase0);
-  };
-  // Block 0 publishes how many rows we send to each destination's experts (cursors[d][e]: global
-  // or, solo, its smem), and our T.
-  const auto publish = [&](const int32_t* cursors) {
+  }
+  diag::trace(diag::kDispStaged);
+  grid_barrier(reinterpret_cast<uint32_t*>(ws + loc.grid_barrier_offset()), site);
+  if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStaged);
+  diag::trace(diag::kDispBarrier);
+
+  // Publish how many rows we send to each destination's experts, and our T.
+  if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < R * (E_loc + 1); i += blockDim.x) {
       const int d = i / (E_loc + 1), e = i % (E_loc + 1);
-      const int v = e < E_loc ? cursors[d * E_loc + e] : p.num_tokens;
+      const int v = e < E_loc ? cursor[d * E_loc + e] : p.num_tokens;
       p.sym.at<int32_t>(d, sym.counts_offset())[p.rank * sym.counts_stride() + e] = v;
     }
     __syncthreads();
@@ -167,34 +170,6 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
       ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReady, p.rank)), epoch);
     }
     diag::trace(diag::kDispPublished);
-  };
-  // Solo: a call whose staging units fit one block's warps (decode: up to kWarps tokens at H = 2048,
-  // kWarps / 4 at H = 7168) stages in block 0 alone, one unit per warp, with the per-expert cursors
-  // in its shared memory (the scratch, before the layout); block 0 publishes after a block barrier,
-  // and the other blocks neither wait in phase 0 (they write nothing a destination reads) nor meet
-  // at a grid barrier. Why: the grid barrier and the cursors' global atomics were ~2 us of a decode
-  // call's critical path (per-block trace, R = 4). The global cursors stay 0 (phase 4 resets them
-  // anyway). Every block reads the same T, so every block makes the same choice.
-  if (stage_units <= kWarps) {
-    if (blockIdx.x == 0) {
-      int32_t* scursor = smem;  // [E]: the scratch is not used before the layout
-      for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x) scursor[i] = 0;
-      wait_read_done();  // its __syncthreads also orders the zeroing before the atomics
-      if (int(threadIdx.x >> 5) < stage_units) stage_unit(threadIdx.x >> 5, scursor);
-      diag::trace(diag::kDispStaged);
-      __syncthreads();
-      if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStaged);
-      diag::trace(diag::kDispBarrier);
-      publish(scursor);
-    }
-  } else {
-    wait_read_done();
-    for (int64_t u = first_unit<kWarps>(stage_units); u < stage_units; u += nwarps) stage_unit(u, cursor);
-    diag::trace(diag::kDispStaged);
-    grid_barrier(reinterpret_cast<uint32_t*>(ws + loc.grid_barrier_offset()), site);
-    if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchStaged);
-    diag::trace(diag::kDispBarrier);
-    if (blockIdx.x == 0) publish(cursor);
   }
 
   // Phase 2: every source's counts -> our expert segments.
@@ -204,15 +179,14 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   __syncthreads();
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kDispatchCounts);
   diag::trace(diag::kDispCounts);
-  int* base = smem;                          // [R][E_loc]
-  int* seg = smem + R * E_loc;               // [E_loc + 1]
-  int* rows = smem + (R + 1) * E_loc + 1;    // [E_loc]
+  int* base = smem;            // [R][E_loc]
+  int* seg = smem + R * E_loc;  // [E_loc + 1]
   const int32_t* counts = reinterpret_cast<const int32_t*>(me + sym.counts_offset());
   // Warp 0 lays out the segments while warp 1 reads every source's T: one round trip of loads and
   // one block barrier instead of two each (a decode call's critical path runs through here).
   __shared__ int tokens_of[layout::kCommMaxRanks];
   static_assert(kWarps >= 2, "warp 1 reads the sources' token counts");
-  layout_segments(s, counts, sym.counts_stride(), p.pool_layout.s.row_align, base, seg, rows);
+  layout_segments(s, counts, sym.counts_stride(), p.pool_layout.s.row_align, base, seg);
   if (threadIdx.x >= 32 && threadIdx.x < 32 + R) {
     const int r = int(threadIdx.x) - 32;
     tokens_of[r] = counts[r * sym.counts_stride() + E_loc];
@@ -260,7 +234,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   // (pull_token_slice drops such rows the same way and reports them).
   const int max_rows = int(pl.max_rows());
   for (int e = int(gridDim.x - 1 - blockIdx.x); e < E_loc; e += int(gridDim.x)) {
-    const int end = seg[e] + rows[e];
+    const int end = base[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e];
     const int pad_end = min(seg[e + 1], max_rows);
     for (int r = end + threadIdx.x; r < pad_end; r += blockDim.x) {
       reinterpret_cast<float*>(p.pool + pl.row_weight_offset())[r] = 0.f;

@@ -13,7 +13,7 @@
 // back to 168 before the next grid barrier (fused_gemm_tiles).
 // One smem ring and one set of mbarriers serve L1 and L2: the L2 tiles continue from the
 // pipeline states where L1 stopped, so no barrier is re-initialised mid-phase.
-// The dispatch's scratch ((R + 2) * E_loc + 1 ints, <= 41 KB) lives in the ring's A tiles,
+// The dispatch's scratch ((R + 1) * E_loc + 1 ints, <= 37 KB) lives in the ring's A tiles,
 // which TMA first writes after the block's own dispatch (and a __syncthreads).
 //
 // Memory ordering between stages (all inside one kernel, so no kernel boundary helps):
@@ -99,10 +99,9 @@ struct FusedMoeConfig {
   static constexpr int kThreads = gemm::kNumThreads;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kSmemBytes = int(Layout::kAllocBytes);
-  // The dispatch scratch sits in the A tiles of the ring: (R + 2) * E_loc + 1 ints at most
-  // (comm::dispatch_smem_ints).
+  // The dispatch scratch sits in the A tiles of the ring: (R + 1) * E_loc + 1 ints at most.
   static constexpr int kDispatchScratchBytes =
-      ((Limits::kMaxRanks + 2) * Limits::kMaxExpertsPerRank + 1) * int(sizeof(int));
+      ((Limits::kMaxRanks + 1) * Limits::kMaxExpertsPerRank + 1) * int(sizeof(int));
   static_assert(kDispatchScratchBytes <= int(Layout::b_offset(0)), "dispatch scratch must fit in the A tiles");
   // The arrival and readiness counters count 128 pool rows each; the layer's pool aligns every
   // expert segment to the GEMM's BLOCK_M (gemm::row_align), so a counter never mixes two experts.
