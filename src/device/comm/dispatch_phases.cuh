@@ -101,8 +101,9 @@ __device__ __forceinline__ void dispatch_finish_reread(const DispatchParams& p) 
   dispatch_finish(p, epoch);
 }
 
+// Returns the largest T of any source this call (every block the same).
 template <bool kFp8, int kWarps, bool kMegakernel = false, class AfterLayout = NoLayoutHook>
-__device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
+__device__ __forceinline__ int dispatch_phases(const DispatchParams& p, int* smem,
                                                 const AfterLayout& after_layout = AfterLayout{}) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
@@ -251,6 +252,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
     if (last) dispatch_finish(p, epoch);
   }
   diag::trace(diag::kDispEnd);
+  return max_tokens_seen;
 }
 
 
