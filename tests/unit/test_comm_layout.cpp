@@ -84,8 +84,7 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                            {l.recv_tokens_offset(), l.recv_tokens_bytes()},
                            {l.mblock_ready_offset(), l.mblock_ready_bytes()},
                            {l.mblock_arrive_offset(), l.mblock_ready_bytes()},
-                           {l.tile_claim_offset(), l.tile_claim_bytes()},
-                           {l.mblock_l2done_offset(), l.mblock_ready_bytes()}},
+                           {l.tile_claim_offset(), l.tile_claim_bytes()}},
                           l.num_bytes());
   EXPECT_EQ(l.tile_claim_bytes(), 8);  // the L1 and L2 counters
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
@@ -102,7 +101,6 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                                  {l.combine_epoch_offset(), 8},
                                  {l.combine_done_arrive_offset(), 4},
                                  {l.timeout_record_offset(), 8},
-                                 {l.pulls_done_offset(), 4},
                                  {l.routing_report_offset(), 8}},  // a 64-bit atomicMax target
                                 l.control_bytes());
 }

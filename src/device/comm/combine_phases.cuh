@@ -7,9 +7,6 @@
 //   B  wait for every expert rank's partials; y[t] = bf16(sum over ranks with a valid slot)
 //   C  last block: tell every expert rank we are done reading (skipped in the layer's calls:
 //      the next dispatch does it, CombineParams::defer_done)
-// The megakernel's decode variant may run phase 0 and A before its last grid barrier instead
-// (push_partials_early: each partial leaves once its rows' L2 tiles are stored); combine_phases
-// then starts at phase B, block 0 releasing combine_ready right after that barrier.
 // The result does not depend on kWarps or the grid: every token is summed in slot order, then
 // in rank order, by one warp.
 #pragma once
@@ -70,10 +67,6 @@ __device__ __forceinline__ void add_partial8(float* acc, const char* row, int v)
 }
 
 constexpr int kSliceVecs = 32 * kVecs;  // one work unit covers this many 8-channel vectors of a row
-// Work units per token row in phases A and B.
-__host__ __device__ __forceinline__ int combine_slices(const CommShape& s) {
-  return (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
-}
 
 // Phase A for one slice of one (source, token): sum our rows of it in slot order, push one partial.
 // Why rows in groups of kRowsInFlight: their loads are in flight together (a token has ~K/R rows
@@ -180,52 +173,8 @@ __device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const
   }
 }
 
-// Phases 0 and A in the megakernel before its last grid barrier (every block calls it, in calls
-// whose units fit one per warp): each unit waits until every block has pulled (pulls_done, so that
-// token_rows and recv_tokens are written) and until its rows' pool m-blocks are stored by L2
-// (l2done >= l2_target), then sums and pushes its partial as phase A does. No arrival: the grid
-// barrier that follows orders every push before block 0 releases combine_ready (combine_phases with
-// the epoch returned here, read by every block before that barrier).
 template <int kPartialBytes, int kWarps>
-__device__ __forceinline__ uint64_t push_partials_early(const CombineParams& p, int max_t, const uint32_t* l2done,
-                                                        uint32_t l2_target, const uint32_t* pulls_done) {
-  const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
-  const CommLocalLayout loc{s};
-  const int R = s.num_ranks, K = s.topk, lane = threadIdx.x & 31;
-  char* me = p.sym.ptr[p.rank];
-  char* ws = p.local_ws;
-  uint32_t* status = reinterpret_cast<uint32_t*>(ws + loc.status_offset());
-  const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = ptx::ld_ca_u64(reinterpret_cast<const uint64_t*>(ws + loc.combine_epoch_offset())) + 1;
-  // Phase 0: a source may still be reading the partials we pushed into its buffer last call.
-  if (threadIdx.x < R)
-    wait_geq_acquire_sys(site, reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineDone, threadIdx.x)),
-                         epoch - 1, "combine_done", threadIdx.x);
-  __syncthreads();
-  const int32_t* token_rows = reinterpret_cast<const int32_t*>(ws + loc.token_rows_offset());
-  const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
-  const int slices = combine_slices(s);
-  const int64_t units = int64_t(max_t) * R * slices;
-  const int64_t first = first_unit<kWarps>(units);
-  if (first < units) {
-    if (lane == 0) wait_geq_acquire_gpu_u32(site, pulls_done, gridDim.x, "pulls_done", 0);
-    __syncwarp();
-  }
-  for (int64_t u = first; u < units; u += int64_t(gridDim.x) * kWarps) {
-    const SourceTokenSlice w = source_token_slice(u, slices, R, p.rank);
-    if (w.t >= recv_tokens[w.src]) continue;
-    const int row = lane < K ? token_rows[(int64_t(w.src) * s.max_tokens + w.t) * K + lane] : -1;
-    if (row >= 0) wait_geq_acquire_gpu_u32(site, l2done + (row >> 7), l2_target, "l2_done", row >> 7);
-    __syncwarp();
-    push_partial_slice<kPartialBytes>(p, sym, w.src, w.t, w.slice, token_rows);
-  }
-  return epoch;
-}
-
-// early_epoch: phases 0 and A ran before (push_partials_early, which returned this call's epoch).
-template <int kPartialBytes, int kWarps>
-__device__ __forceinline__ void combine_phases(const CombineParams& p, uint64_t early_epoch = 0) {
+__device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
   const CommLocalLayout loc{s};
@@ -240,12 +189,12 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p, uint64_t 
   uint64_t* epoch_word = reinterpret_cast<uint64_t*>(ws + loc.combine_epoch_offset());
   const int32_t* recv_tokens = reinterpret_cast<const int32_t*>(ws + loc.recv_tokens_offset());
   const WaitSite site{p.rank, p.timeout_ns, status, p.timeout_record};
-  const uint64_t epoch = early_epoch ? early_epoch : ptx::ld_ca_u64(epoch_word) + 1;
+  const uint64_t epoch = ptx::ld_ca_u64(epoch_word) + 1;
   if (threadIdx.x == 0) stamp_phase(p.phase_ts, kCombineStart, true);
   diag::trace(diag::kCombEntry);
 
   // Phase 0: a source may still be reading the partials we pushed into its buffer last call.
-  if (!early_epoch && threadIdx.x < R)
+  if (threadIdx.x < R)
     wait_geq_acquire_sys(site, reinterpret_cast<uint64_t*>(me + sym.flag_offset(layout::kFlagCombineDone, threadIdx.x)),
                          epoch - 1, "combine_done", threadIdx.x);
   __syncthreads();
@@ -256,7 +205,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p, uint64_t 
   for (int r = 0; r < R; ++r) max_t = max(max_t, recv_tokens[r]);
   const int32_t* token_rows = reinterpret_cast<const int32_t*>(ws + loc.token_rows_offset());
   const int slices = (s.hidden / 8 + kSliceVecs - 1) / kSliceVecs;
-  const int64_t units_a = early_epoch ? 0 : int64_t(max_t) * R * slices;
+  const int64_t units_a = int64_t(max_t) * R * slices;
   const int64_t first_a = first_unit<kWarps>(units_a);
   const bool had_a = first_a < units_a;
   for (int64_t u = first_a; u < units_a; u += nwarps) {
@@ -265,15 +214,7 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p, uint64_t 
   }
   if (stamps_phase_end(had_a)) stamp_phase(p.phase_ts, kCombinePartials);
   diag::trace(diag::kCombA);
-  if (early_epoch) {
-    // Every block pushed before the grid barrier the caller passed after push_partials_early, and
-    // read the epoch word before it.
-    if (blockIdx.x == 0) {
-      if (threadIdx.x < R)
-        ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
-      if (threadIdx.x == 0) ptx::st_relaxed_gpu(epoch_word, epoch);
-    }
-  } else if (arrive_is_last_block(arrive_a)) {
+  if (arrive_is_last_block(arrive_a)) {
     if (threadIdx.x < R)
       ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagCombineReady, p.rank)), epoch);
     // Every block has read the epoch word (at its start, before this arrival): the next call may
@@ -307,6 +248,5 @@ __device__ __forceinline__ void combine_phases(const CombineParams& p, uint64_t 
 }  // namespace combine_detail
 
 using combine_detail::combine_phases;
-using combine_detail::push_partials_early;
 
 }  // namespace epmoe::comm

@@ -101,9 +101,8 @@ __device__ __forceinline__ void dispatch_finish_reread(const DispatchParams& p) 
   dispatch_finish(p, epoch);
 }
 
-// Returns the largest T of any source this call (every block the same).
 template <bool kFp8, int kWarps, bool kMegakernel = false, class AfterLayout = NoLayoutHook>
-__device__ __forceinline__ int dispatch_phases(const DispatchParams& p, int* smem,
+__device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
                                                 const AfterLayout& after_layout = AfterLayout{}) {
   const CommShape& s = p.shape;
   const CommSymLayout sym{s};
@@ -252,7 +251,6 @@ __device__ __forceinline__ int dispatch_phases(const DispatchParams& p, int* sme
     if (last) dispatch_finish(p, epoch);
   }
   diag::trace(diag::kDispEnd);
-  return max_tokens_seen;
 }
 
 

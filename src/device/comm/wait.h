@@ -122,17 +122,4 @@ __device__ __forceinline__ uint64_t wait_geq_acquire_gpu(const WaitSite& site, c
   return wait_geq_acquire<false>(site, p, expected, flag, index);
 }
 
-// A 32-bit counter of this GPU's blocks (the megakernel's pull and L2 completion counters): waits
-// until *p >= expected, then acquires at gpu scope.
-__device__ __forceinline__ void wait_geq_acquire_gpu_u32(const WaitSite& site, const uint32_t* p, uint32_t expected,
-                                                         const char* flag, int index) {
-  uint32_t seen = ptx::ld_acquire_gpu(p);
-  if (seen >= expected) return;
-  const uint64_t start = ptx::globaltimer_ns();
-  while ((seen = ptx::ld_acquire_gpu(p)) < expected) {
-    const uint64_t waited = ptx::globaltimer_ns() - start;
-    if (waited > site.timeout_ns) wait_timed_out(site, flag, index, expected, seen, waited);
-  }
-}
-
 }  // namespace epmoe::comm

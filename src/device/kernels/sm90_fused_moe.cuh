@@ -144,7 +144,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
                                                  uint32_t* claim, bool b_first,
-                                                 unsigned long long* phase_ts, uint32_t* l2done) {
+                                                 unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   // Whether the producer publishes the tiles and the math warpgroups read them from the slots: with
   // claims, and always in the throughput variant. Why always there: a run-time choice cost that
@@ -188,9 +188,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready, 0u, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
-  // l2done (calls whose combine partials leave early): each L2 tile counts its m-block, as L1's do
-  // ready[].
-  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, l2done, r.tiles_staged, from_slots);
+  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without
@@ -268,16 +266,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     }
   };
   const int* layout_scratch = reinterpret_cast<int*>(smem);
-  const int max_tokens = comm::dispatch_phases<kFp8, Cfg::kWarps, /*kMegakernel=*/true>(
-      p.dispatch, reinterpret_cast<int*>(smem), prefetch_first_weights);
-  // Early partials (the decode variant, when the combine's phase-A units fit one per warp): each
-  // partial leaves as soon as its rows' L2 tiles are stored, before the grid barrier below, instead
-  // of after it (comm::push_partials_early). Every block decides alike (the sources' largest T).
-  const bool early = !kDeferred && int64_t(max_tokens) * p.dispatch.shape.num_ranks *
-                                           comm::combine_detail::combine_slices(p.combine.shape) <=
-                                       int64_t(gridDim.x) * Cfg::kWarps;
-  uint32_t* l2done = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_l2done_offset());
-  uint32_t* pulls_done = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.pulls_done_offset());
+  comm::dispatch_phases<kFp8, Cfg::kWarps, /*kMegakernel=*/true>(p.dispatch, reinterpret_cast<int*>(smem),
+                                                                 prefetch_first_weights);
   // No grid barrier: this block's GEMM tiles start from its own copy of the segment layout (every
   // block computed the same one in its smem scratch) and, tile by tile, once their rows arrived
   // (the L1 producer waits on arrive[]). The scheduler tables of both GEMMs (one pool) come from
@@ -289,9 +279,6 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       [&](int e) { return layout_scratch[p.dispatch.shape.num_ranks * E_loc + e]; }, E_loc, gemm::kBlockM);
   ptx::fence_proxy_async_shared_cta();
   __syncthreads();
-  // This block's pull (token_rows, recv_tokens from the last block) is done: early partials may read
-  // them once every block has said so. The release covers the block's stores through the barrier.
-  if (early && threadIdx.x == 0) ptx::red_add_release_gpu(pulls_done, 1u);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 
@@ -299,15 +286,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
       uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, p.b_first != 0,
-      p.phase_ts, early ? l2done : nullptr);
+      p.phase_ts);
   diag::trace(diag::kFusedGemm);
-  uint64_t early_epoch = 0;
-  if (early) {
-    const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p.l2.n + gemm::kBlockN - 1) / gemm::kBlockN));
-    early_epoch = p.combine.shape.partial_bytes == 4
-                      ? comm::push_partials_early<4, Cfg::kWarps>(p.combine, max_tokens, l2done, target, pulls_done)
-                      : comm::push_partials_early<2, Cfg::kWarps>(p.combine, max_tokens, l2done, target, pulls_done);
-  }
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
   diag::trace(diag::kFusedBarrier2);
@@ -327,21 +307,18 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < used; i += int(gridDim.x * blockDim.x)) {
       ready[i] = 0;
       arrive[i] = 0;
-      if (early) l2done[i] = 0;
     }
     // Every claim (one per tile after the block's first, and one past the end, per block and GEMM)
     // returned before the barrier.
     if (blockIdx.x == 0 && threadIdx.x < 2) claim[threadIdx.x] = 0;
-    // Every early partial's wait on it came before the barrier.
-    if (blockIdx.x == 0 && threadIdx.x == 0) *pulls_done = 0;
   }
   diag::trace(diag::kFusedReset);
 
   // Combine: partial sums to the source ranks, y at home.
   if (p.combine.shape.partial_bytes == 4) {
-    comm::combine_phases<4, Cfg::kWarps>(p.combine, early_epoch);
+    comm::combine_phases<4, Cfg::kWarps>(p.combine);
   } else {
-    comm::combine_phases<2, Cfg::kWarps>(p.combine, early_epoch);
+    comm::combine_phases<2, Cfg::kWarps>(p.combine);
   }
   if (p.phase_ts) {
     __syncthreads();

@@ -119,10 +119,7 @@ struct CommLocalLayout {
   // written once at create. Why here too (the params carry it as well): a WaitSite built only from
   // (rank, timeout, status word) finds it next to the status word (see comm/wait.h).
   EPMOE_HD int64_t timeout_record_offset() const { return 40; }
-  // u32: the megakernel's blocks that finished their dispatch (pull done, token_rows written), in
-  // calls whose combine partials leave before its last grid barrier; block 0 zeroes it after that
-  // barrier. Bytes 52-55 are free.
-  EPMOE_HD int64_t pulls_done_offset() const { return 48; }
+  // Bytes 48-55 are free.
   // u64: the last dispatch epoch whose first out-of-range expert index was reported (atomicMax
   // elects one reporter per call; layout::RoutingRecord). Never reset.
   EPMOE_HD int64_t routing_report_offset() const { return 56; }
@@ -153,10 +150,6 @@ struct CommLocalLayout {
   // there. Zero between calls: block 0 resets them after the grid barrier that follows the GEMMs
   // (docs/MEGAKERNEL.md).
   EPMOE_HD int64_t tile_claim_bytes() const { return 8; }
-  // [pool m-blocks] u32: the fused kernel's L2 completion counter per 128-row block of the pool, in
-  // calls whose combine partials leave early: +1 per math warpgroup and L2 tile stored, so an
-  // m-block's o rows are all written at kMathWarpgroups x ceil(H / 256). Same count as ready[],
-  // reset with it.
 
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
   EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
@@ -164,8 +157,7 @@ struct CommLocalLayout {
   EPMOE_HD int64_t mblock_ready_offset() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
   EPMOE_HD int64_t mblock_arrive_offset() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
   EPMOE_HD int64_t tile_claim_offset() const { return next(mblock_arrive_offset(), mblock_ready_bytes()); }
-  EPMOE_HD int64_t mblock_l2done_offset() const { return next(tile_claim_offset(), tile_claim_bytes()); }
-  EPMOE_HD int64_t num_bytes() const { return next(mblock_l2done_offset(), mblock_ready_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(tile_claim_offset(), tile_claim_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }
