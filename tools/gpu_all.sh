@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test and the key benchmarks in one call, each step under a time
 # limit, logs under $OUT (or ./gpu-logs). Binaries come from tools/stage_gpu.sh.
-# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|diag|sanitize|ranks|trace|peer-gemm|peer-ab|gemm-peer-turns|decode-gemm|layer-peer|e2e-stats|validate]   (quick skips the long benchmarks; profile
+# Usage: bash tools/gpu_all.sh [quick|full|single|profile|profile-fused|probe|ab|ab-ranks|diag|sanitize|ranks|trace|peer-gemm|peer-ab|gemm-peer-turns|decode-gemm|layer-peer|e2e-stats|validate]   (quick skips the long benchmarks; profile
 # runs only the GPU check and an ncu profile of the FP8 L2 and L1 GEMM kernels at the first large
 # shape, (8, 4096, 4096, 7168); ab times this build against an older one staged by
-# tools/stage_ab.sh, alternating in one call; profile-fused profiles the fused kernel and the L1
+# tools/stage_ab.sh, alternating in one call (ab-ranks: the same at R = every local GPU, both
+# shapes, decode to throughput token counts, with a table); profile-fused profiles the fused kernel and the L1
 # GEMM on one GPU; diag: decode timing with and without graphs, an nsys trace, clock samples;
 # sanitize: racecheck and synccheck on the GEMM tests that reuse stages, then racecheck, synccheck
 # and memcheck on both layer paths at R = 1 (small cases); single: everything that
@@ -323,6 +324,34 @@ if [ "$mode" = ranks ]; then
   step "ranks${R}_bench_layer_dsv3full" 90 "$bin/epmoe-bench" layer --ranks "$R" --shape dsv3full \
     --path pipeline,fused --tokens 1,128,4096 --partials bf16
   step "ranks${R}_bench_comm" 120 "$bin/epmoe-bench" comm --ranks "$R" --tokens 128,4096
+  finish
+fi
+if [ "$mode" = ab-ranks ]; then
+  # Every local GPU as one rank: this build against an older one (tools/stage_ab.sh <commit> put it
+  # in $bin/epmoe-bench-old), both paths, from decode to throughput token counts, the builds in
+  # turns, two rounds; then tools/ab_table.py's table of the per-rank medians (ab_table.txt, and in
+  # the summary). First the e2e small cases at this R on the new build (a change is timed only once
+  # it computes the right thing; EPMOE_AB_TESTS=0 skips them). EPMOE_AB_QWEN3_TOKENS,
+  # EPMOE_AB_DSV3_TOKENS: the token counts.
+  [ -x "$bin/epmoe-bench-old" ] || { echo "gpu_all.sh ab-ranks: no $bin/epmoe-bench-old (run tools/stage_ab.sh <commit> here first)"; exit 2; }
+  R=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "${R:-0}" -ge 1 ] 2>/dev/null || R=1
+  if [ "${EPMOE_AB_TESTS:-1}" = 1 ]; then
+    EPMOE_TEST_RANKS=$R step "ab_tests_r$R" 150 "$bin/epmoe_mgpu_tests" \
+      --gtest_filter='LayerE2E.Small*:LayerE2E.UnequalTokens:LayerE2E.ZeroTokensOnOneRank:LayerE2EFused.UnequalTokens:LayerE2EFused.AlternatingPaths'
+  fi
+  for round in 1 2; do
+    for v in new old; do
+      b="$bin/epmoe-bench"; [ "$v" = old ] && b="$bin/epmoe-bench-old"
+      step "ab_qwen3_${v}_$round" 60 "$b" layer --ranks "$R" --shape qwen3 --path pipeline,fused \
+        --tokens "${EPMOE_AB_QWEN3_TOKENS:-0,1,8,128,1024}" --partials bf16 --iters 30
+      step "ab_dsv3_${v}_$round" 90 "$b" layer --ranks "$R" --path pipeline,fused \
+        --tokens "${EPMOE_AB_DSV3_TOKENS:-0,1,2,128,4096}" --partials bf16 --iters 20
+    done
+  done
+  python3 tools/ab_table.py "$out"/ab_qwen3_*.log "$out"/ab_dsv3_*.log >"$out/ab_table.txt" 2>&1
+  cat "$out/ab_table.txt"
+  while IFS= read -r line; do summary+=("$line"); done <"$out/ab_table.txt"
   finish
 fi
 if [ "$mode" = trace ]; then
