@@ -17,16 +17,9 @@
 #include <cstdlib>
 #include <vector>
 
-namespace {
+#include "probe_cuda.h"
 
-#define PROBE_CUDA(call)                                                                        \
-  do {                                                                                          \
-    const cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+namespace {
 
 constexpr int kStages = 4;
 constexpr int kStageBytes = 128 * 128;

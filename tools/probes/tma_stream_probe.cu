@@ -22,17 +22,9 @@
 #include <cstring>
 #include <vector>
 
+#include "probe_cuda.h"
 #include "device/ptx/mbarrier.cuh"
 #include "device/ptx/tma.cuh"
-
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 namespace {
 
@@ -125,38 +117,38 @@ int main(int argc, char** argv) {
     bulk |= std::strcmp(argv[i], "--bulk") == 0;
   }
   int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  PROBE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   void* p = nullptr;
   cudaDriverEntryPointQueryResult q{};
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+  PROBE_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
   const EncodeFn encode = reinterpret_cast<EncodeFn>(p);
   const size_t wbytes = size_t(sms) * 256 * 7168;  // every block's 256 rows at the largest K
   uint8_t *w = nullptr, *a = nullptr, *flush = nullptr;
   unsigned long long* sink = nullptr;
-  CK(cudaMalloc(&w, wbytes));
-  CK(cudaMalloc(&a, size_t(128) * 7168));
-  CK(cudaMalloc(&flush, size_t(256) << 20));
-  CK(cudaMalloc(&sink, sizeof(unsigned long long) * 1024));
-  CK(cudaMemset(w, 0x11, wbytes));
-  CK(cudaMemset(a, 0x22, size_t(128) * 7168));
-  CK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+  PROBE_CUDA(cudaMalloc(&w, wbytes));
+  PROBE_CUDA(cudaMalloc(&a, size_t(128) * 7168));
+  PROBE_CUDA(cudaMalloc(&flush, size_t(256) << 20));
+  PROBE_CUDA(cudaMalloc(&sink, sizeof(unsigned long long) * 1024));
+  PROBE_CUDA(cudaMemset(w, 0x11, wbytes));
+  PROBE_CUDA(cudaMemset(a, 0x22, size_t(128) * 7168));
+  PROBE_CUDA(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  PROBE_CUDA(cudaEventCreate(&e0));
+  PROBE_CUDA(cudaEventCreate(&e1));
   std::printf("tma_stream_probe on %d SMs, %s L2; B box 256 x 128 B (32 KB) per K block, A box 128 x 128 B\n", sms,
               warm ? "warm" : "flushed");
   // The median of 5 timed launches (after one untimed), each after an L2 flush unless --warm.
   const auto median_us = [&](const auto& launch) {
     std::vector<float> times;
     for (int rep = 0; rep < 6; ++rep) {
-      if (!warm) CK(cudaMemsetAsync(flush, rep, size_t(256) << 20));
-      CK(cudaEventRecord(e0));
+      if (!warm) PROBE_CUDA(cudaMemsetAsync(flush, rep, size_t(256) << 20));
+      PROBE_CUDA(cudaEventRecord(e0));
       launch();
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      CK(cudaGetLastError());
+      PROBE_CUDA(cudaEventRecord(e1));
+      PROBE_CUDA(cudaEventSynchronize(e1));
+      PROBE_CUDA(cudaGetLastError());
       float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
+      PROBE_CUDA(cudaEventElapsedTime(&ms, e0, e1));
       if (rep > 0) times.push_back(ms * 1000.0f);
     }
     std::sort(times.begin(), times.end());

@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "probe_cuda.h"
 #include "tools/probes/wgmma_probe_ops.cuh"
 
 namespace probe {
@@ -506,53 +507,44 @@ constexpr double flops_per_kb(int v) {
   return v == 2 || v == 3 || v == 7 ? 2.0 * 64 * 128 * 128 : v == 4 ? 2.0 * 64 * 192 * 128 : 2.0 * 64 * 256 * 128;
 }
 
-#define CK(x)                                                                                     \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
-
 // One warm-up launch, then the best of 5 timed launches; FLOP per SM clock from the busiest math
 // warpgroup's cycles (the `slots` per-warpgroup counters, zeroed first so that a warpgroup that
 // does not run cannot leave an earlier variant's count behind).
 template <class Launch>
 void time_and_report(int v, const char* name, int sms, int slots, double flops, long long* cycles, Launch&& launch) {
-  CK(cudaMemset(cycles, 0, sizeof(long long) * slots));
+  PROBE_CUDA(cudaMemset(cycles, 0, sizeof(long long) * slots));
   launch();  // warm-up
-  CK(cudaGetLastError());
-  CK(cudaDeviceSynchronize());
+  PROBE_CUDA(cudaGetLastError());
+  PROBE_CUDA(cudaDeviceSynchronize());
   cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
+  PROBE_CUDA(cudaEventCreate(&a));
+  PROBE_CUDA(cudaEventCreate(&b));
   float best = 1e30f;
   for (int rep = 0; rep < 5; ++rep) {
-    CK(cudaEventRecord(a));
+    PROBE_CUDA(cudaEventRecord(a));
     launch();
-    CK(cudaGetLastError());
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
+    PROBE_CUDA(cudaGetLastError());
+    PROBE_CUDA(cudaEventRecord(b));
+    PROBE_CUDA(cudaEventSynchronize(b));
     float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
+    PROBE_CUDA(cudaEventElapsedTime(&ms, a, b));
     if (ms < best) best = ms;
   }
   std::vector<long long> host_cycles(slots);
-  CK(cudaMemcpy(host_cycles.data(), cycles, sizeof(long long) * slots, cudaMemcpyDeviceToHost));
+  PROBE_CUDA(cudaMemcpy(host_cycles.data(), cycles, sizeof(long long) * slots, cudaMemcpyDeviceToHost));
   long long cmax = 0;
   for (long long c : host_cycles) cmax = c > cmax ? c : cmax;
   // Per SM per clock: dense e4m3 peak is 8192 FLOP/clk (4 tensor cores x 2048).
   const double per_clk = flops / sms / cmax;
   std::printf("%d %-14s %8.3f ms %8.1f TFLOP/s  %6.0f FLOP/clk/SM  %5.1f%% of 8192  (~%.2f GHz)\n", v, name, best,
               flops / best / 1e9, per_clk, 100.0 * per_clk / 8192, cmax / (best * 1e6));
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
+  PROBE_CUDA(cudaEventDestroy(a));
+  PROBE_CUDA(cudaEventDestroy(b));
 }
 
 template <int V>
 void run_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
-  CK(cudaFuncSetAttribute(probe_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  PROBE_CUDA(cudaFuncSetAttribute(probe_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int wgs = (V == 1 || V == 3) ? 1 : 2;
   time_and_report(V, name, sms, 2 * sms, flops_per_kb(V) * k_blocks * wgs * sms, cycles,
                   [&] { probe_kernel<V><<<sms, 384, kSmem>>>(k_blocks, out, cycles, feed); });
@@ -561,7 +553,7 @@ void run_variant(const char* name, int k_blocks, int sms, float* out, long long*
 template <int V>
 void run_ring_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
   using G = Ring<V>;
-  CK(cudaFuncSetAttribute(probe_ring_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmem));
+  PROBE_CUDA(cudaFuncSetAttribute(probe_ring_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmem));
   time_and_report(V, name, sms, 3 * sms, 2.0 * 64 * 128 * 128 * double(k_blocks) * G::kWgs * sms, cycles,
                   [&] { probe_ring_kernel<V><<<sms, G::kThreads, G::kSmem>>>(k_blocks, out, cycles, feed); });
 }
@@ -572,15 +564,15 @@ int main(int argc, char** argv) {
   using namespace probe;
   const int k_blocks = argc > 1 ? std::atoi(argv[1]) : 4000;
   int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  PROBE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   if (sms > 132) sms = 132;
   float* out;
   long long* cycles;
-  CK(cudaMalloc(&out, sizeof(float) * 512 * sms));
-  CK(cudaMalloc(&cycles, sizeof(long long) * 3 * sms));
+  PROBE_CUDA(cudaMalloc(&out, sizeof(float) * 512 * sms));
+  PROBE_CUDA(cudaMalloc(&cycles, sizeof(long long) * 3 * sms));
   // The feed's source stages: small finite e4m3 codes like the smem fill, scales near 1.
   uint8_t* feed;
-  CK(cudaMalloc(&feed, size_t(kFeedBuffers) * kStageBytes));
+  PROBE_CUDA(cudaMalloc(&feed, size_t(kFeedBuffers) * kStageBytes));
   {
     std::vector<uint32_t> h(size_t(kFeedBuffers) * kStageBytes / 4);
     for (size_t i = 0; i < h.size(); ++i) h[i] = ((uint32_t(i) * 2654435761u) >> 8) & 0x2F2F2F2Fu;
@@ -589,7 +581,7 @@ int main(int argc, char** argv) {
         const float v = 1.0f + 1e-3f * i;
         std::memcpy(&h[(size_t(b) * kStageBytes + kABytes + kBBytes) / 4 + i], &v, 4);
       }
-    CK(cudaMemcpy(feed, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    PROBE_CUDA(cudaMemcpy(feed, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
   }
   std::printf("wgmma probe: %d SMs, %d K blocks of 128 per warpgroup, operands in smem\n", sms, k_blocks);
   run_variant<5>("n256 nopromo", k_blocks, sms, out, cycles, feed);

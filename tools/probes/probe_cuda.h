@@ -1,0 +1,17 @@
+// The probes' CUDA check: a failed call prints where and why, and ends the process (a probe has
+// nothing to clean up and nothing to report after a CUDA error).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#define PROBE_CUDA(call)                                                                        \
+  do {                                                                                          \
+    const cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
