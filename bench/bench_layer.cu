@@ -269,8 +269,11 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     for (const std::string& path_name : o.paths) {
       PathRun pr;
       pr.name = path_name;
-      pr.path = path_name == "fused" ? Path::kFused : Path::kPipeline;
+      pr.path = path_name == "fused" ? Path::kFused : path_name == "auto" ? Path::kAuto : Path::kPipeline;
       Status probe = layer->forward(xs[0], idxs[0], wts[0], ys[0], T, stream, pr.path);
+      // Path::kAuto is reported with the path it took on this rank: "auto:fused" or "auto:pipeline".
+      if (probe.ok() && pr.path == Path::kAuto)
+        pr.name = std::string("auto:") + (layer->last_path() == Path::kFused ? "fused" : "pipeline");
       if (probe.code() == StatusCode::kUnsupported) {
         pr.supported = false;
         pr.why = probe.message();
@@ -515,12 +518,12 @@ int run_layer(const LayerFlags& f, const Output& output) {
   o.tokens = f.tokens;
   o.paths = split_list(f.path);
   if (o.paths.empty()) {
-    std::fprintf(stderr, "epmoe-bench layer: --path takes pipeline and/or fused\n");
+    std::fprintf(stderr, "epmoe-bench layer: --path takes pipeline, fused and/or auto\n");
     return 2;
   }
   for (auto& pth : o.paths)
-    if (pth != "pipeline" && pth != "fused") {
-      std::fprintf(stderr, "epmoe-bench layer: --path takes pipeline and/or fused\n");
+    if (pth != "pipeline" && pth != "fused" && pth != "auto") {
+      std::fprintf(stderr, "epmoe-bench layer: --path takes pipeline, fused and/or auto\n");
       return 2;
     }
   o.iters = f.iters;
@@ -604,7 +607,7 @@ Run setup_layer(CLI::App& app) {
   add_int_list(app, "--tokens", &f->tokens, "tokens per rank, one case each (0 allowed)", 0);
   app.add_option("--routing", f->routing, "uniform, zipf, one_expert, one_rank, masked or duplicate_ranks")
       ->capture_default_str();
-  app.add_option("--path", f->path, "pipeline and/or fused, timed call by call in turn")
+  app.add_option("--path", f->path, "pipeline, fused and/or auto (the path chosen per rank and T), timed call by call in turn")
       ->type_name("P,P")
       ->capture_default_str();
   app.add_option("--partials", f->partials, "combine partials: fp32 or bf16")->capture_default_str();

@@ -295,7 +295,7 @@ def main():
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per rank")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--path", choices=["pipeline", "fused"], default="pipeline")
+    ap.add_argument("--path", choices=["auto", "pipeline", "fused"], default="auto")
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

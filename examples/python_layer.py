@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    ap.add_argument("--path", choices=["fused", "pipeline"], default="pipeline")
+    ap.add_argument("--path", choices=["auto", "fused", "pipeline"], default="auto")
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -6,6 +6,7 @@
 //   EPMOE_FUSED_B_FIRST=0|1                the megakernel's weights-first loads (else per call)
 //   EPMOE_FUSED_CLAIM=0|1                  the megakernel's tile claims (else per call)
 //   EPMOE_COMM_BLOCKS=<n>                  caps the dispatch and combine grids (n > 0)
+//   EPMOE_AUTO_FUSED_MAX=<n>               Path::kAuto's threshold in tokens (n >= 0; else 1024)
 // Out-of-range values are ignored, as the library did when it read them itself.
 #pragma once
 
@@ -32,6 +33,7 @@ inline heuristics::TuningOverrides tuning_overrides_from_env() {
   env_switch("EPMOE_FUSED_B_FIRST", 0, 1, o.fused_b_first);
   env_switch("EPMOE_FUSED_CLAIM", 0, 1, o.fused_claim_tiles);
   if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) o.comm_blocks = std::atoi(env);
+  env_switch("EPMOE_AUTO_FUSED_MAX", 0, 1 << 30, o.auto_fused_max_tokens);
   return o;
 }
 

@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 /// Bumped whenever a signature or a struct below changes; bindings check it at load time.
-#define EPMOE_C_API_VERSION 4
+#define EPMOE_C_API_VERSION 5
 
 /// Size of an ncclUniqueId, the token that bootstraps a communicator.
 #define EPMOE_UNIQUE_ID_BYTES 128
@@ -50,7 +50,7 @@ enum {
 enum { EPMOE_DTYPE_FP8 = 0, EPMOE_DTYPE_BF16 = 1 };
 
 /// Implementation of a forward call (epmoe::Path).
-enum { EPMOE_PATH_PIPELINE = 0, EPMOE_PATH_FUSED = 1 };
+enum { EPMOE_PATH_PIPELINE = 0, EPMOE_PATH_FUSED = 1, EPMOE_PATH_AUTO = 2 };
 
 /// Mirror of epmoe::LayerConfig with fixed-width fields (see config.h for the allowed ranges).
 typedef struct epmoe_layer_config {
@@ -195,6 +195,9 @@ EPMOE_C_EXPORT int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config
                                       epmoe_layer** out);
 /// The configuration the layer was created with (num_ranks filled in).
 EPMOE_C_EXPORT int epmoe_layer_get_config(const epmoe_layer* layer, epmoe_layer_config* cfg);
+/// MoELayer::last_path: the path this rank's last forward ran (EPMOE_PATH_PIPELINE or
+/// EPMOE_PATH_FUSED, the choice EPMOE_PATH_AUTO made), into *path. Host only, no sync.
+EPMOE_C_EXPORT int epmoe_layer_last_path(const epmoe_layer* layer, int* path);
 /// MoELayer::load_weights. Layouts are those of epmoe::ExpertWeights; scales are NULL in BF16
 /// mode. `on_device`: nonzero when the four pointers are device memory, else host memory.
 EPMOE_C_EXPORT int epmoe_layer_load_weights(epmoe_layer* layer, const void* w1,

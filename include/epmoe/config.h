@@ -22,10 +22,14 @@ enum class PartialPrecision {
               ///< partial (relative 2^-9), within SPEC's accuracy bound.
 };
 
-/// Which implementation a forward call runs. Both compute the same function.
+/// Which implementation a forward call runs. All compute the same function, bitwise: y does not
+/// depend on the path, and ranks may take different paths in the same call.
 enum class Path {
   kPipeline,  ///< dispatch -> L1 + SwiGLU -> L2 -> combine, a chain of kernels.
   kFused,     ///< the persistent megakernel.
+  kAuto,      ///< per call and rank from its own token count: the megakernel up to 1024 tokens (faster
+              ///< there, and one launch instead of four), the pipeline above (faster at 4096 and up on
+              ///< H100 and H200, FP8); the pipeline wherever the megakernel is unavailable.
 };
 
 /// Integer type of a forward call's topk_idx.

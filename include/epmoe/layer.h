@@ -141,6 +141,10 @@ class MoELayer {
   virtual Status check_device_error(cudaStream_t stream) = 0;
 
   virtual const LayerConfig& config() const = 0;
+
+  /// The path this rank's last forward call ran: kPipeline or kFused (Path::kAuto's choice), on the
+  /// host, no sync; kPipeline before the first call.
+  virtual Path last_path() const = 0;
 };
 
 }  // namespace epmoe

@@ -11,7 +11,7 @@ from ctypes import c_void_p, c_size_t
 from ._errors import LibraryError, error_for
 
 # Must equal EPMOE_C_API_VERSION of the library this package was written for.
-C_API_VERSION = 4
+C_API_VERSION = 5
 UNIQUE_ID_BYTES = 128
 LIBRARY_NAME = "libepmoe_c.so"
 
@@ -19,6 +19,7 @@ DTYPE_FP8 = 0
 DTYPE_BF16 = 1
 PATH_PIPELINE = 0
 PATH_FUSED = 1
+PATH_AUTO = 2
 PARTIALS_FP32 = 0
 PARTIALS_BF16 = 1
 INDEX_INT32 = 0
@@ -125,6 +126,7 @@ _PROTOTYPES = {
     "epmoe_layer_load_weights": (c_int, [_P, _P, _P, _P, _P, c_int, _P]),
     "epmoe_layer_forward": (c_int, [_P, _P, _P, _P, _P, c_int64, _P, c_int]),
     "epmoe_layer_check_device_error": (c_int, [_P, _P]),
+    "epmoe_layer_last_path": (c_int, [_P, POINTER(c_int)]),
     "epmoe_layer_destroy": (c_int, [_P]),
     "epmoe_layer_forward_ex": (c_int, [_P, _P, _P, c_int, _P, _P, c_int64, _P, _P, _P, c_int]),
     "epmoe_validate_workspace_config": (c_int, [POINTER(WorkspaceConfigC)]),

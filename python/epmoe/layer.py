@@ -14,7 +14,7 @@ from .comm import Communicator, as_communicator
 from .workspace import Workspace
 
 DTYPES = {"fp8": _lib.DTYPE_FP8, "bf16": _lib.DTYPE_BF16}
-PATHS = {"fused": _lib.PATH_FUSED, "pipeline": _lib.PATH_PIPELINE}
+PATHS = {"auto": _lib.PATH_AUTO, "fused": _lib.PATH_FUSED, "pipeline": _lib.PATH_PIPELINE}
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ class Layer:
     # ---- forward ------------------------------------------------------------------------------
 
     def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, out: Any = None,
-                 path: str = "pipeline", stream: Any = None, *, expert_counts: Any = None,
+                 path: str = "auto", stream: Any = None, *, expert_counts: Any = None,
                  expert_counts_total: Any = None) -> Any:
         """y = the MoE layer of SPEC.md; returns `out` (allocated if None: torch and CuPy).
 
@@ -284,8 +284,9 @@ class Layer:
         index is found on the GPU (its slot is masked) and the next call on this rank raises
         InvalidArgument naming it, after running normally; a device wait that timed out makes the
         next call raise DeviceTimeout without running. :meth:`check_device_error` is the explicit,
-        synchronizing check. `path`: "pipeline" (four kernels, the default: faster today) or
-        "fused" (the megakernel); both give bitwise the same result.
+        synchronizing check. `path`: "auto" (the default: per call and rank, the megakernel up to
+        1024 tokens, the pipeline above), "pipeline" (four kernels) or "fused" (the megakernel);
+        all give bitwise the same result, and ranks may take different paths in one call.
         """
         handle = self._live_handle()
         path_code = choice_arg("path", path, PATHS)
@@ -338,6 +339,15 @@ class Layer:
         return out
 
     forward = __call__
+
+    @property
+    def last_path(self) -> str:
+        """The path this rank's last call ran, "pipeline" or "fused" (what "auto" chose); host
+        only, no sync. "pipeline" before the first call."""
+        import ctypes
+        code = ctypes.c_int(-1)
+        _lib.call("epmoe_layer_last_path", self._live_handle(), ctypes.byref(code))
+        return "fused" if code.value == _lib.PATH_FUSED else "pipeline"
 
     def check_device_error(self, stream: Any = None) -> None:
         """Synchronizes the stream and raises the error the GPU recorded since the last check

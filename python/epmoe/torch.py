@@ -32,7 +32,7 @@ from .workspace import Workspace
 __all__ = ["MoE", "moe_forward", "register_layer", "unregister_layer", "registered_layer"]
 
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
-_PATHS = {"pipeline": _lib.PATH_PIPELINE, "fused": _lib.PATH_FUSED}
+_PATHS = {"auto": _lib.PATH_AUTO, "pipeline": _lib.PATH_PIPELINE, "fused": _lib.PATH_FUSED}
 
 # ---- the registry: int key -> layer --------------------------------------------------------------
 
@@ -114,7 +114,7 @@ class _Bound:
             raise InvalidArgument(f"epmoe::moe_forward: the layer registered as {self.key} was "
                                   f"closed")
         if path not in _PATHS:
-            raise InvalidArgument(f"path={path!r} must be one of 'pipeline', 'fused'")
+            raise InvalidArgument(f"path={path!r} must be one of 'auto', 'pipeline', 'fused'")
         dev = self.device_index
         t = x.shape[0] if x.dim() == 2 else None
         specs = (("x", x, (_BF16,), (None, self.hidden), ("T", "hidden")),
@@ -203,10 +203,10 @@ def _bound(key: Any) -> _Bound:
 # custom_op" row of python/benchmarks/op_overhead.py).
 _library = torch.library.Library("epmoe", "DEF")
 _library.define("moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, "
-                "str path='pipeline') -> Tensor")
+                "str path='auto') -> Tensor")
 
 
-def _moe_forward_cuda(x, topk_idx, topk_weights, layer, path="pipeline"):
+def _moe_forward_cuda(x, topk_idx, topk_weights, layer, path="auto"):
     b = _registry.get(layer)
     if b is None:
         b = _bound(layer)
@@ -218,10 +218,10 @@ _library.impl("moe_forward", _moe_forward_cuda, "CUDA")
 # The same call with this call's expert counts ([E_loc] int32: rows each local expert received from
 # every rank) as a second output. A separate operator, so that moe_forward's schema stays as it is.
 _library.define("moe_forward_counts(Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, "
-                "str path='pipeline') -> (Tensor, Tensor)")
+                "str path='auto') -> (Tensor, Tensor)")
 
 
-def _moe_forward_counts_cuda(x, topk_idx, topk_weights, layer, path="pipeline"):
+def _moe_forward_counts_cuda(x, topk_idx, topk_weights, layer, path="auto"):
     return _bound(layer).forward_counts(x, topk_idx, topk_weights, path, True, None)
 
 
@@ -229,7 +229,7 @@ _library.impl("moe_forward_counts", _moe_forward_counts_cuda, "CUDA")
 
 
 @torch.library.register_fake("epmoe::moe_forward")
-def _moe_forward_fake(x, topk_idx, topk_weights, layer, path="pipeline"):
+def _moe_forward_fake(x, topk_idx, topk_weights, layer, path="auto"):
     # Shapes and dtypes that are static under tracing are checked here, so a wrong one fails at
     # compile time with the same message as in eager mode.
     if x.dtype is not _BF16:
@@ -257,7 +257,7 @@ def _moe_forward_fake(x, topk_idx, topk_weights, layer, path="pipeline"):
 
 
 @torch.library.register_fake("epmoe::moe_forward_counts")
-def _moe_forward_counts_fake(x, topk_idx, topk_weights, layer, path="pipeline"):
+def _moe_forward_counts_fake(x, topk_idx, topk_weights, layer, path="auto"):
     y = _moe_forward_fake(x, topk_idx, topk_weights, layer, path)
     b = _bound(layer)  # the counts' length is the layer's: it must be registered
     return y, x.new_empty((b.e_loc,), dtype=_I32)
@@ -294,8 +294,9 @@ def moe_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
                 layer: Any, path: str | None = None, *, return_expert_counts: bool = False,
                 expert_counts_total: torch.Tensor | None = None) -> Any:
     """y [T, H] bf16 of the layer `layer` (a :class:`MoE`, or a key from :func:`register_layer`).
-    `path`: "pipeline" or "fused"; by default the module's own (a :class:`MoE`) or "pipeline" (a
-    key). A path other than a module's own is refused: set ``MoE.path`` instead.
+    `path`: "auto", "pipeline" or "fused" (bitwise the same y); by default the module's own (a
+    :class:`MoE`) or "auto" (a key). A path other than a module's own is refused: set ``MoE.path``
+    instead.
 
     Calls ``torch.ops.epmoe.moe_forward`` on torch's current stream. Collective: every rank
     calls it (with its own T, possibly 0). No host synchronization, so it can be captured in a
@@ -315,7 +316,7 @@ def moe_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
                                   "a registry key")
         return layer(x, topk_idx, topk_weights, return_expert_counts=return_expert_counts)
     if path is None:
-        path = "pipeline"
+        path = "auto"
     if not return_expert_counts and expert_counts_total is None:
         if _plain_eager(x):
             return _bound(layer).forward(x, topk_idx, topk_weights, path)
@@ -374,11 +375,11 @@ class MoE(torch.nn.Module):
                  max_tokens_per_rank: int, dtype: str = "fp8", *, group: Any = None,
                  activation_clamp: float | None = None, pow2_scales: bool = False,
                  combine_partials: str = "fp32", timeout_seconds: float = 10.0,
-                 path: str = "pipeline", workspace: Workspace | None = None,
+                 path: str = "auto", workspace: Workspace | None = None,
                  count_experts: bool = False):
         super().__init__()
         if path not in _PATHS:
-            raise InvalidArgument(f"path={path!r} must be one of 'pipeline', 'fused'")
+            raise InvalidArgument(f"path={path!r} must be one of 'auto', 'pipeline', 'fused'")
         if not isinstance(count_experts, bool):
             raise InvalidArgument(f"count_experts must be a bool, got {count_experts!r}")
         options = dict(pow2_scales=pow2_scales, combine_partials=combine_partials,

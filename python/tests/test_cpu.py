@@ -258,12 +258,13 @@ def test_forward_reaches_the_library(layer, fake):
 
 
 def test_forward_path_default_and_fused(layer, fake):
-    # The default is the pipeline (the faster path from 4096 tokens up, docs/PYTHON.md); "fused" reaches the
-    # library as its own code.
+    # The default is "auto" (the library chooses per call and rank, docs/PYTHON.md); each path
+    # reaches the library as its own code.
     layer(**args(fake), stream=5)
     layer(**args(fake), path="fused", stream=5)
-    assert [c[1][10] for c in layer.calls] == [_lib.PATH_PIPELINE, _lib.PATH_FUSED]
-    assert _lib.PATH_PIPELINE != _lib.PATH_FUSED
+    layer(**args(fake), path="pipeline", stream=5)
+    assert [c[1][10] for c in layer.calls] == [_lib.PATH_AUTO, _lib.PATH_FUSED, _lib.PATH_PIPELINE]
+    assert len({_lib.PATH_AUTO, _lib.PATH_FUSED, _lib.PATH_PIPELINE}) == 3
 
 
 def test_forward_legacy_stream_is_dlpack_1(layer, fake):
@@ -316,7 +317,7 @@ def test_forward_layout_errors(layer, fake):
 
 
 def test_forward_other_arguments(layer, fake):
-    with pytest.raises(epmoe.InvalidArgument, match="path='fast' must be one of 'fused', 'pipeline'"):
+    with pytest.raises(epmoe.InvalidArgument, match="path='fast' must be one of 'auto', 'fused', 'pipeline'"):
         layer(**args(fake), path="fast")
     with pytest.raises(epmoe.InvalidArgument, match="stream must be a torch.cuda.Stream"):
         layer(**args(fake), stream="s")
@@ -480,9 +481,10 @@ def test_strict_routing_reaches_the_c_struct():
     assert epmoe.LayerConfig(**GOOD).to_c().strict_routing == 0
     c = epmoe.LayerConfig(**GOOD, strict_routing=True).validate().to_c()
     assert c.strict_routing == 1
-    # The struct's size is the C ABI's (EPMOE_C_API_VERSION 4): a mismatch would shift every field.
+    # The struct's size is the C ABI's (unchanged since EPMOE_C_API_VERSION 4; 5 added
+    # EPMOE_PATH_AUTO and epmoe_layer_last_path): a mismatch would shift every field.
     assert ctypes.sizeof(_lib.LayerConfigC) == 56
-    assert _lib.C_API_VERSION == 4
+    assert _lib.C_API_VERSION == 5
 
 
 def test_strict_routing_must_be_a_bool():
@@ -510,3 +512,19 @@ def test_workspace_config_checks_and_sizes():
     with pytest.raises(InvalidArgument, match="max_hidden"):
         WorkspaceConfig(max_experts_per_rank=64, max_hidden=100, max_intermediate=2048, max_topk=8,
                         max_tokens_per_rank=1024, num_ranks=4).validate()
+
+
+def test_last_path_reads_the_library(monkeypatch, layer):
+    seen = []
+
+    def fake_call(name, handle, code):
+        seen.append((name, handle))
+        code._obj.value = answer
+
+    monkeypatch.setattr(_lib, "call", fake_call)
+    for answer, text in ((_lib.PATH_FUSED, "fused"), (_lib.PATH_PIPELINE, "pipeline")):
+        assert layer.last_path == text
+    assert seen == [("epmoe_layer_last_path", 0x1234)] * 2
+    layer._handle = None
+    with pytest.raises(epmoe.InvalidArgument, match="this Layer was closed"):
+        layer.last_path

@@ -59,13 +59,13 @@ def inputs(t=4, h=256, k=2, idx_dtype=torch.int32):
 def test_schema():
     schema = str(torch.ops.epmoe.moe_forward.default._schema)
     assert schema == ("epmoe::moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, "
-                      "int layer, str path=\"pipeline\") -> Tensor")
+                      "int layer, str path=\"auto\") -> Tensor")
 
 
 def test_counts_schema():
     schema = str(torch.ops.epmoe.moe_forward_counts.default._schema)
     assert schema == ("epmoe::moe_forward_counts(Tensor x, Tensor topk_idx, Tensor topk_weights, "
-                      "int layer, str path=\"pipeline\") -> (Tensor, Tensor)")
+                      "int layer, str path=\"auto\") -> (Tensor, Tensor)")
 
 
 def test_counts_fake_impl(bound):
@@ -115,10 +115,13 @@ def test_forward_reaches_the_library(bound):
     y = et._moe_forward_cuda(x, idx, w, bound.key)
     (call,) = bound.calls
     assert call[:5] == (0x1234, x.data_ptr(), idx.data_ptr(), _lib.INDEX_INT32, w.data_ptr())
-    assert call[5] == y.data_ptr() and call[6:] == (4, None, None, 777, _lib.PATH_PIPELINE)
+    assert call[5] == y.data_ptr() and call[6:] == (4, None, None, 777, _lib.PATH_AUTO)
     assert (tuple(y.shape), y.dtype) == ((4, 256), torch.bfloat16)
     et._moe_forward_cuda(x, idx, w, bound.key, "fused")
     assert bound.calls[-1][10] == _lib.PATH_FUSED
+    et._moe_forward_cuda(x, idx, w, bound.key, "pipeline")
+    assert bound.calls[-1][10] == _lib.PATH_PIPELINE
+    assert len({_lib.PATH_AUTO, _lib.PATH_FUSED, _lib.PATH_PIPELINE}) == 3
 
 
 def test_forward_zero_tokens(bound):
@@ -199,7 +202,7 @@ def test_forward_argument_errors(bound, change, message):
 
 def test_forward_other_errors(bound):
     x, idx, w = inputs()
-    with pytest.raises(epmoe.InvalidArgument, match="path='fast' must be one of 'pipeline', 'fused'"):
+    with pytest.raises(epmoe.InvalidArgument, match="path='fast' must be one of 'auto', 'pipeline', 'fused'"):
         et._moe_forward_cuda(x, idx, w, bound.key, "fast")
     bound.b.device_index = 0  # the layer on cuda:0, the tensors on the CPU
     with pytest.raises(epmoe.InvalidArgument, match="x is on cpu but this epmoe layer lives on cuda:0"):
@@ -339,10 +342,10 @@ def test_moe_forward_with_a_module_takes_its_path(moe):
     moe._bound.c_forward = lambda *a: calls.append(a) or 0
     moe._bound.raw_stream = lambda device: 5
     x, idx, w = inputs(t=2)
-    et.moe_forward(x, idx, w, moe)  # no path: the module's own
-    et.moe_forward(x, idx, w, moe, "pipeline")
-    assert len(calls) == 2
-    with pytest.raises(epmoe.InvalidArgument, match="path='fused' but the MoE module runs path='pipeline'"):
+    et.moe_forward(x, idx, w, moe)  # no path: the module's own ("auto" by default)
+    et.moe_forward(x, idx, w, moe, "auto")
+    assert len(calls) == 2 and [c[10] for c in calls] == [_lib.PATH_AUTO] * 2
+    with pytest.raises(epmoe.InvalidArgument, match="path='fused' but the MoE module runs path='auto'"):
         et.moe_forward(x, idx, w, moe, "fused")
     assert len(calls) == 2
 
@@ -353,7 +356,7 @@ def test_moe_eager_calls_the_kernel_directly(moe):
     moe._bound.raw_stream = lambda device: 5
     x, idx, w = inputs(t=3, idx_dtype=torch.int64)
     y = moe(x, idx, w)
-    assert len(calls) == 1 and calls[0][6:] == (3, None, None, 5, _lib.PATH_PIPELINE)
+    assert len(calls) == 1 and calls[0][6:] == (3, None, None, 5, _lib.PATH_AUTO)
     assert calls[0][2:4] == (idx.data_ptr(), _lib.INDEX_INT64) and y.shape == (3, 256)
     # Under a mode (here torch.device's function mode) the call goes through the operator, which
     # has no CPU kernel: the dispatcher's error shows which way it went.

@@ -63,7 +63,7 @@ def test_hot_path_passes_int64_indices_as_they_are(calls):
     idx = idx.long()
     y = fake_layer()(x, idx, w)
     assert calls == [(0x1234, x.data_ptr(), idx.data_ptr(), _lib.INDEX_INT64, w.data_ptr(),
-                      y.data_ptr(), 5, None, None, STREAM, _lib.PATH_PIPELINE)]
+                      y.data_ptr(), 5, None, None, STREAM, _lib.PATH_AUTO)]
 
 
 E_LOC = GOOD["num_experts"] // GOOD["num_ranks"]
@@ -88,7 +88,7 @@ def test_hot_path_zero_tokens_passes_the_expert_counts(calls):
     totals = torch.zeros(E_LOC, dtype=torch.int64)
     fake_layer()(x, idx, w, expert_counts=counts, expert_counts_total=totals)
     assert calls == [(0x1234, None, None, _lib.INDEX_INT32, None, None, 0, counts.data_ptr(),
-                      totals.data_ptr(), STREAM, _lib.PATH_PIPELINE)]
+                      totals.data_ptr(), STREAM, _lib.PATH_AUTO)]
 
 
 def _bad_counts():
@@ -129,7 +129,7 @@ def test_hot_path_allocates_out(calls):
     x, idx, w = inputs(3)
     y = fake_layer()(x, idx, w)
     assert y.shape == (3, GOOD["hidden"]) and y.dtype == torch.bfloat16
-    assert calls[0][5] == y.data_ptr() and calls[0][10] == _lib.PATH_PIPELINE
+    assert calls[0][5] == y.data_ptr() and calls[0][10] == _lib.PATH_AUTO  # the default path
 
 
 def test_hot_path_zero_tokens_passes_null_pointers(calls):

@@ -35,7 +35,8 @@ static_assert(EPMOE_INVALID_ARGUMENT == int(epmoe::StatusCode::kInvalidArgument)
               "C status codes must equal epmoe::StatusCode");
 static_assert(EPMOE_DTYPE_FP8 == int(epmoe::DType::kFP8) && EPMOE_DTYPE_BF16 == int(epmoe::DType::kBF16),
               "C dtype codes must equal epmoe::DType");
-static_assert(EPMOE_PATH_PIPELINE == int(epmoe::Path::kPipeline) && EPMOE_PATH_FUSED == int(epmoe::Path::kFused),
+static_assert(EPMOE_PATH_PIPELINE == int(epmoe::Path::kPipeline) && EPMOE_PATH_FUSED == int(epmoe::Path::kFused) &&
+                  EPMOE_PATH_AUTO == int(epmoe::Path::kAuto),
               "C path codes must equal epmoe::Path");
 
 namespace {
@@ -433,6 +434,15 @@ int epmoe_layer_get_config(const epmoe_layer* layer, epmoe_layer_config* cfg) {
   });
 }
 
+int epmoe_layer_last_path(const epmoe_layer* layer, int* path) {
+  return guarded([&]() -> Status {
+    EPMOE_RETURN_IF_ERROR(check_layer(layer));
+    if (!path) return invalid("path is null");
+    *path = static_cast<int>(layer->layer->last_path());
+    return Status::Ok();
+  });
+}
+
 int epmoe_layer_load_weights(epmoe_layer* layer, const void* w1, const float* w1_scale,
                              const void* w2, const float* w2_scale, int on_device, void* stream) {
   return guarded([&]() -> Status {
@@ -461,8 +471,8 @@ int epmoe_layer_forward(epmoe_layer* layer, const void* x, const int32_t* topk_i
                         int path) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_layer(layer));
-    if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED)
-      return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0) or EPMOE_PATH_FUSED (1)");
+    if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED && path != EPMOE_PATH_AUTO)
+      return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0), EPMOE_PATH_FUSED (1) or EPMOE_PATH_AUTO (2)");
     EPMOE_RETURN_IF_ERROR(epmoe::validate_call(layer->cfg, num_tokens, x, topk_idx, topk_weights, y));
     epmoe::detail::DeviceScope guard;
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
@@ -476,8 +486,8 @@ int epmoe_layer_forward_ex(epmoe_layer* layer, const void* x, const void* topk_i
                            int64_t* expert_counts_total, void* stream, int path) {
   return guarded([&]() -> Status {
     EPMOE_RETURN_IF_ERROR(check_layer(layer));
-    if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED)
-      return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0) or EPMOE_PATH_FUSED (1)");
+    if (path != EPMOE_PATH_PIPELINE && path != EPMOE_PATH_FUSED && path != EPMOE_PATH_AUTO)
+      return invalid("path=", path, " must be EPMOE_PATH_PIPELINE (0), EPMOE_PATH_FUSED (1) or EPMOE_PATH_AUTO (2)");
     if (idx_type != EPMOE_INDEX_INT32 && idx_type != EPMOE_INDEX_INT64)
       return invalid("idx_type=", idx_type, " must be EPMOE_INDEX_INT32 (0) or EPMOE_INDEX_INT64 (1)");
     epmoe::ForwardArgs a;

@@ -55,6 +55,12 @@ Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const Tuning
   // wave level or 1.5-3 us slower.
   t.fused_claim_tiles = o.fused_claim_tiles >= 0 ? o.fused_claim_tiles == 1
                                                  : !tiny || expected_l1_tiles(s, num_tokens) > double(s.grid);
+  // Path::kAuto, per rank from its own T (the paths are interchangeable per rank: the same comm
+  // protocol, bitwise the same y). Measured (docs/BENCHMARKS.md, same calls): the megakernel is
+  // faster from 1 to 1024 tokens per rank on both reference shapes at R = 2 and 4 (level at 128 on
+  // the Qwen3-like one), the pipeline at 4096 and 8192 (FP8); one launch also costs the host ~4 us
+  // against the pipeline's four at ~15 us, which decode calls pay in full.
+  t.auto_fused = num_tokens <= (o.auto_fused_max_tokens >= 0 ? int64_t(o.auto_fused_max_tokens) : kAutoFusedMaxTokens);
   return t;
 }
 

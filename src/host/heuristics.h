@@ -27,6 +27,8 @@ struct Tuning {
   bool fused_b_first = false;
   // The megakernel's blocks claim their GEMM tiles from a grid-wide counter (dynamic order).
   bool fused_claim_tiles = false;
+  // Path::kAuto takes the megakernel for this call (if the layer has it).
+  bool auto_fused = false;
 };
 
 // The layer's shape, as far as the choices depend on it.
@@ -55,7 +57,11 @@ struct TuningOverrides {
   int fused_b_first = -1;            // 0 or 1
   int fused_claim_tiles = -1;        // 0 or 1
   int comm_blocks = 0;               // > 0: caps the dispatch and combine grids
+  int auto_fused_max_tokens = -1;    // >= 0: Path::kAuto takes the megakernel up to this many tokens
 };
+
+// Path::kAuto takes the megakernel up to this many local tokens per call, the pipeline above.
+inline constexpr int64_t kAutoFusedMaxTokens = 1024;
 
 // The per-call choices of a forward call of num_tokens local tokens.
 Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const TuningOverrides& o);

@@ -239,6 +239,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       return invalid("forward: expert_counts_total=", static_cast<const void*>(a.expert_counts_total),
                      " must be 8-byte aligned");
     if (!by_reference_ && !weights_loaded_) return invalid("forward: load_weights() has not been called");
+    if (path == Path::kAuto)
+      path = fused_status_.ok() && tuning(num_tokens).auto_fused ? Path::kFused : Path::kPipeline;
     if (path == Path::kFused) {
       EPMOE_RETURN_IF_ERROR(fused_status_);
     }
@@ -418,6 +420,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   const LayerConfig& config() const override { return cfg_; }
+  Path last_path() const override { return last_path_; }
 
   // detail::LayerInternals: for the benchmark and tests.
   void set_stage_timing(bool on) override {

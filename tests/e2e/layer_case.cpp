@@ -273,16 +273,21 @@ Status check_output(const ref::Problem& p, const LayerCase& c, int rank, const s
   return Status::Ok();
 }
 
-// y (just computed by the fused path) against the pipeline on the same inputs, and against a
-// second fused call: both must be bitwise equal over this rank's T rows. Collective (every rank
-// makes the same forward calls in the same order).
+const char* path_label(Path q) { return q == Path::kFused ? "fused" : q == Path::kAuto ? "auto" : "pipeline"; }
+
+// y (just computed by the case's paths: this rank's is path_of(rank)) against the pipeline on
+// every rank on the same inputs, and against a second call of the case's paths: both must be
+// bitwise equal over this rank's T rows. Collective (every rank makes the same forward calls in the
+// same order).
 Status check_paths_agree(const ref::Problem& p, const LayerCase& c, int rank, MoELayer& layer, RankBuffers& buf,
                          const std::vector<uint16_t>& y_fused, cudaStream_t stream, int call, uint64_t seed) {
   const int T = c.tokens[rank];
   const size_t n = size_t(T) * p.H;
   std::vector<uint16_t> other(size_t(p.T_max) * p.H);
-  const Path order[2] = {Path::kPipeline, Path::kFused};
-  const char* what[2] = {"pipeline", "second fused call"};
+  const Path mine = c.path_of(rank);
+  const Path order[2] = {Path::kPipeline, mine};
+  const std::string second = std::string("second ") + path_label(mine) + " call";
+  const char* what[2] = {"pipeline", second.c_str()};
   // Why both calls before any verdict: they are collective, so a rank that stopped after the first
   // would leave its peers waiting in the second.
   std::string first;
@@ -297,11 +302,11 @@ Status check_paths_agree(const ref::Problem& p, const LayerCase& c, int rank, Mo
         if (!diff) at = j;
         ++diff;
       }
-    std::printf("[e2e] rank %d %s call %d: fused vs %s: %zu of %zu bf16 values differ\n", rank,
-                c.describe().c_str(), call, what[i], diff, n);
+    std::printf("[e2e] rank %d %s call %d: %s vs %s: %zu of %zu bf16 values differ\n", rank,
+                c.describe().c_str(), call, path_label(mine), what[i], diff, n);
     if (diff && first.empty()) {
       std::ostringstream os;
-      os << call_name(c, rank, call, seed) << ": fused y differs from the " << what[i] << " in " << diff << " of " << n
+      os << call_name(c, rank, call, seed) << ": " << path_label(mine) << " y differs from the " << what[i] << " in " << diff << " of " << n
          << " values (first at token " << at / p.H << ", channel " << at % p.H << ": 0x" << std::hex
          << y_fused[at] << " vs 0x" << other[at] << ")";
       first = os.str();
@@ -323,21 +328,31 @@ std::string LayerCase::describe() const {
   if (pow2_scales) os << "/pow2";
   if (duplicate_experts) os << "/dup_experts";
   if (bf16_partials) os << "/bf16_partials";
-  if (path == Path::kFused) os << "/fused";
+  if (!rank_paths.empty()) {
+    os << "/paths=";
+    for (size_t i = 0; i < rank_paths.size(); ++i) os << (i ? "," : "") << path_label(rank_paths[i]);
+  } else if (path != Path::kPipeline) {
+    os << "/" << path_label(path);
+  }
+  if (auto_fused_max_tokens >= 0) os << "/auto_max=" << auto_fused_max_tokens;
   if (fused_epilogue) os << "/" << fused_epilogue;
   return os.str();
 }
 
 // Forces the megakernel's epilogue variant ("inline", "deferred"; nullptr: leaves the overrides
 // alone) in this process's tuning overrides until the end of the scope, then restores them.
+// The same for Path::kAuto's threshold (auto_fused_max_tokens >= 0).
 class ScopedFusedEpilogue {
  public:
-  explicit ScopedFusedEpilogue(const char* variant) {
-    if (!variant) return;
+  explicit ScopedFusedEpilogue(const char* variant, int auto_fused_max_tokens = -1) {
+    if (!variant && auto_fused_max_tokens < 0) return;
     old_ = detail::tuning_overrides();
     heuristics::TuningOverrides o = old_;
-    const std::string v(variant);
-    o.fused_epilogue = v == "inline" ? 1 : v == "deferred" ? 2 : 0;
+    if (variant) {
+      const std::string v(variant);
+      o.fused_epilogue = v == "inline" ? 1 : v == "deferred" ? 2 : 0;
+    }
+    if (auto_fused_max_tokens >= 0) o.auto_fused_max_tokens = auto_fused_max_tokens;
     detail::set_tuning_overrides(o);
     set_ = true;
   }
@@ -370,7 +385,7 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
     // The case's megakernel variant, in this rank's overrides while the layer copies them at create;
     // then the overrides as they were. Why scoped: set for good, it also forced the variant on every
     // later case of the process (and overrode an outer EPMOE_FUSED_EPILOGUE for them).
-    ScopedFusedEpilogue epilogue(c.fused_epilogue);
+    ScopedFusedEpilogue epilogue(c.fused_epilogue, c.auto_fused_max_tokens);
     EPMOE_RETURN_IF_ERROR(MoELayer::create(comm, cfg, &layer));
   }
   cudaStream_t stream;
@@ -386,6 +401,8 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
 
   cudaGraphExec_t graph_exec = nullptr;
   Evidence evidence;
+  // Why kept until the end: every rank makes the same collective calls whatever this rank found.
+  std::string path_failure;
   for (int call = 0; call < c.calls; ++call) {
     const uint64_t call_seed = ref::mix_seed(seed, 2, call);
     std::vector<ref::RankInput> inputs = ref::make_problem_inputs(p, c.routing, c.tokens, call_seed);
@@ -401,7 +418,7 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
       if (!graph_exec) {
         cudaGraph_t graph;
         EPMOE_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        Status st = layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path);
+        Status st = layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path_of(rank));
         cudaError_t end = cudaStreamEndCapture(stream, &graph);
         EPMOE_RETURN_IF_ERROR(st);
         EPMOE_CUDA_RETURN(end);
@@ -410,7 +427,22 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
       }
       EPMOE_CUDA_RETURN(cudaGraphLaunch(graph_exec, stream));
     } else {
-      EPMOE_RETURN_IF_ERROR(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path));
+      EPMOE_RETURN_IF_ERROR(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path_of(rank)));
+    }
+    if (c.path_of(rank) == Path::kAuto) {
+      // The choice Path::kAuto made on this rank, from its own T alone.
+      const int env_limit = detail::tuning_overrides().auto_fused_max_tokens;  // EPMOE_AUTO_FUSED_MAX
+      const int64_t limit = c.auto_fused_max_tokens >= 0 ? c.auto_fused_max_tokens
+                            : env_limit >= 0             ? env_limit
+                                                         : heuristics::kAutoFusedMaxTokens;
+      const Path want = c.tokens[rank] <= limit ? Path::kFused : Path::kPipeline;
+      if (layer->last_path() != want && path_failure.empty())
+        path_failure = ("rank " + std::to_string(rank) + " " + c.describe() + ": Path::kAuto with T=" +
+                    std::to_string(c.tokens[rank]) + " and its threshold at " + std::to_string(limit) + " ran " +
+                    path_label(layer->last_path()) + ", expected " + path_label(want) + replay_note(c));
+    } else if (layer->last_path() != c.path_of(rank) && path_failure.empty()) {
+      path_failure = "rank " + std::to_string(rank) + " " + c.describe() + ": last_path() reports " +
+                     path_label(layer->last_path()) + " after a " + path_label(c.path_of(rank)) + " call";
     }
     const bool check = c.evidence || call == c.calls - 1 || call % c.check_every == 0;
     if (!check) continue;
@@ -425,7 +457,7 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
       EPMOE_RETURN_IF_ERROR(gather_sampled_rows(*layer, comm, p, inputs, samples, stream, &rows, &pool_defect));
     EPMOE_RETURN_IF_ERROR(check_output(p, c, rank, y, inputs, weights, samples, rows, pool_defect, seed, call,
                                        c.evidence ? &evidence : nullptr));
-    if (c.path == Path::kFused && c.cross_check_paths) {
+    if (c.any_not_pipeline() && c.cross_check_paths) {
       const Status agree = check_paths_agree(p, c, rank, *layer, buf, y, stream, call, seed);
       if (c.evidence) {
         ++evidence.paths_checked;
@@ -437,6 +469,7 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
     }
   }
   EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
+  if (!path_failure.empty()) return fail(path_failure);
   if (c.evidence) {
     evidence.print(c, rank);
     if (evidence.kc_failed)

@@ -40,8 +40,15 @@ struct LayerCase {
   bool duplicate_experts = false;  // every third token names its slot-0 expert again in slot 1
   bool bf16_partials = false;      // LayerConfig::combine_partials = kBFloat16
   Path path = Path::kPipeline;
-  // With path = kFused, on every checked call also: the pipeline on the same inputs must give a
-  // bitwise identical y, and a second fused call must too (determinism).
+  // Per rank (repeated cyclically over the ranks like `tokens`): each rank's own path in the same
+  // calls; empty: `path` on every rank. The paths share one comm protocol, so ranks may differ.
+  std::vector<Path> rank_paths;
+  // >= 0: Path::kAuto takes the megakernel up to this many tokens (the tuning override, in this
+  // rank's process while the layer is created); -1: the library's threshold.
+  int auto_fused_max_tokens = -1;
+  // When some rank's path is not the pipeline, on every checked call also: the pipeline on every
+  // rank, on the same inputs, must give a bitwise identical y, and a second call of the case's
+  // paths must too (determinism).
   bool cross_check_paths = true;
   // The megakernel's epilogue variant, through the tuning overrides (src/host/heuristics.h) of this
   // rank's process while the layer is created (restored afterwards): "inline", "deferred", or
@@ -54,6 +61,15 @@ struct LayerCase {
   // kernel-consistent check or the paths' bitwise agreement failed on any call).
   bool evidence = false;
   std::string describe() const;
+  // This rank's path in the case's calls.
+  Path path_of(int rank) const { return rank_paths.empty() ? path : rank_paths[size_t(rank) % rank_paths.size()]; }
+  // Whether any rank runs something other than the pipeline (then the paths are cross-checked).
+  bool any_not_pipeline() const {
+    if (rank_paths.empty()) return path != Path::kPipeline;
+    for (Path q : rank_paths)
+      if (q != Path::kPipeline) return true;
+    return false;
+  }
 };
 
 // Runs `c` on this rank; every rank of the launch calls it with the same case and seed.

@@ -56,7 +56,7 @@ std::string replay_command(uint64_t seed, int ranks, int repeats = 0) {
   os << "EPMOE_SEED=" << seed << " EPMOE_TEST_RANKS=" << ranks;
   const std::string n = std::to_string(repeats);
   for (const char* v : {"EPMOE_FUSED_EPILOGUE", "EPMOE_FUSED_PREFETCH", "EPMOE_FUSED_B_FIRST", "EPMOE_FUSED_CLAIM",
-                        "EPMOE_TEST_TIMEOUT_S", "EPMOE_EVIDENCE_CALLS", kRepeatsEnv}) {
+                        "EPMOE_AUTO_FUSED_MAX", "EPMOE_TEST_TIMEOUT_S", "EPMOE_EVIDENCE_CALLS", kRepeatsEnv}) {
     const char* val = repeats > 0 && std::strcmp(v, kRepeatsEnv) == 0 ? n.c_str() : std::getenv(v);
     if (val) os << " " << v << "=" << val;
   }
@@ -242,6 +242,38 @@ E2E_CASE(ZeroTokensEverywhere, kBothPaths, 240, {
   return c;
 })
 E2E_CASE(UnequalTokens, kBothPaths, 240, { return make(kTop2, DType::kFP8, Routing::kZipf, {1, 999}); })
+// ---- Paths per rank ------------------------------------------------------------------------------
+// The ranks of one call on different paths (one comm protocol): y must pass the reference checks,
+// equal bitwise what the pipeline on every rank gives, and repeat bitwise.
+TEST(LayerE2E, MixedPathsPerRank) {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {64, 200, 1, 333});
+  c.rank_paths = {Path::kFused, Path::kPipeline};
+  c.calls = 2;
+  run_case(c, 2, 240);
+}
+TEST(LayerE2E, MixedPathsPerRankZeroTokensBf16) {
+  LayerCase c = make(kTop2, DType::kBF16, Routing::kUniform, {300, 0});
+  c.max_tokens = 512;
+  c.rank_paths = {Path::kPipeline, Path::kFused};
+  run_case(c, 2, 240);
+}
+// Path::kAuto: each rank chooses from its own T (checked through last_path()), on either side of a
+// lowered threshold, and at the library's own threshold (1024 tokens: the megakernel, 1025: the
+// pipeline).
+TEST(LayerE2E, AutoPathAcrossItsThreshold) {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kZipf, {8, 300, 0, 100});
+  c.max_tokens = 512;
+  c.path = Path::kAuto;
+  c.auto_fused_max_tokens = 100;
+  c.calls = 2;
+  run_case(c, 2, 240);
+}
+TEST(LayerE2E, AutoPathAtTheLibraryThreshold) {
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {1024, 1025});
+  c.path = Path::kAuto;
+  run_case(c, 2, 240);
+}
+
 E2E_CASE(ClampAndPow2Scales, kBothPaths, 240, {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {256, 200});
   c.clamp = 0.5f;  // gate and up are O(1) here, so the clamp is active on a good share of them

@@ -47,6 +47,22 @@ TEST(Heuristics, TinyCallsClaimTilesBeyondOneWave) {
   EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32, 16, 0}, 2, none).fused_claim_tiles);
 }
 
+// Path::kAuto: the megakernel up to kAutoFusedMaxTokens (1024) local tokens, 0 included; the override
+// moves the threshold.
+TEST(Heuristics, AutoPathTakesTheMegakernelUpTo1024Tokens) {
+  const LayerShape s{8, 32, 16, 132};
+  TuningOverrides o;
+  EXPECT_EQ(kAutoFusedMaxTokens, 1024);
+  for (int64_t t : {0, 1, 2, 128, 1024}) EXPECT_TRUE(choose_layer_tuning(s, t, o).auto_fused) << t;
+  for (int64_t t : {1025, 4096, 8192}) EXPECT_FALSE(choose_layer_tuning(s, t, o).auto_fused) << t;
+  o.auto_fused_max_tokens = 100;
+  EXPECT_TRUE(choose_layer_tuning(s, 100, o).auto_fused);
+  EXPECT_FALSE(choose_layer_tuning(s, 101, o).auto_fused);
+  o.auto_fused_max_tokens = 0;
+  EXPECT_TRUE(choose_layer_tuning(s, 0, o).auto_fused);
+  EXPECT_FALSE(choose_layer_tuning(s, 1, o).auto_fused);
+}
+
 TEST(Heuristics, OverridesForceTheLayerChoices) {
   const LayerShape s{8, 32};
   TuningOverrides o;
