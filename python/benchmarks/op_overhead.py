@@ -14,8 +14,8 @@ is printed. The rows split a call of the operator into its parts:
                          kernel) whose body is one new_empty: torch's dispatcher + Python kernel
   noop custom_op         the same body as a torch.library.custom_op (what epmoe does not use:
                          its Python wrappers cost more per eager call)
-  C forward only         epmoe_layer_forward_ex through the cached ctypes function, pointers ready:
-                         the library's own host time (its kernel launches)
+  C forward only         epmoe_layer_forward_args through the cached ctypes function, its argument
+                         struct filled once: the library's own host time (its kernel launches)
   epmoe op (int32)       torch.ops.epmoe.moe_forward: all of the above plus the argument checks
   MoE module (int32)     the nn.Module around it (nn.Module.__call__ adds its hooks check)
   MoE module (int64)     the same with torch.topk's int64 indices (read as they are, no copy)
@@ -171,6 +171,11 @@ def run_gpu(args) -> int:
     xp, ip, wp, op_ = x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr()
     raw = torch._C._cuda_getCurrentRawStream
     path_code = et._PATHS[args.path]
+    # The C call with its argument struct filled once (epmoe_layer_forward_args).
+    c_args, args_address = epmoe._lib.forward_args()
+    c_args.x, c_args.topk_idx, c_args.topk_weights, c_args.y = xp, ip, wp, op_
+    c_args.expert_counts = c_args.expert_counts_total = None
+    c_args.stream, c_args.num_tokens, c_args.idx_type, c_args.path = raw(local), t, 0, path_code
 
     def sync():
         torch.cuda.synchronize()
@@ -180,8 +185,7 @@ def run_gpu(args) -> int:
         ("torch.empty", lambda: torch.empty((t, h), dtype=torch.bfloat16, device=dev)),
         ("noop op", lambda: noop(x, idx, w, key)),
         ("noop custom_op", lambda: custom(x, idx, w, key)),
-        ("C forward only", lambda: c_forward(handle, xp, ip, 0, wp, op_, t, None, None, raw(local),
-                                             path_code)),
+        ("C forward only", lambda: c_forward(handle, args_address)),
         ("epmoe op (int32)", lambda: op(x, idx, w, key, args.path)),
         ("MoE module (int32)", lambda: moe(x, idx, w)),
         ("MoE module (int64)", lambda: moe(x, idx64, w)),

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ._checks import ranges_overlap
+from ._lib import forward_args as _forward_args
 
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 _STRIDED = torch.strided
@@ -46,11 +47,11 @@ def _ok1(v: Any, dtype: Any, dev: int, n: int) -> bool:
             and v.shape[0] == n and v.get_device() == dev and v.is_contiguous())
 
 
-def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_max: int,
+def forward(c_forward_args: Any, handle: int, dev: int, hidden: int, topk: int, t_max: int,
             x: Any, topk_idx: Any, topk_weights: Any, out: Any, path_code: int,
             idx_int32: int, idx_int64: int, raw_stream: Any = _raw_stream, *,
             counts: Any = None, totals: Any = None, e_loc: int = 0) -> tuple[bool, Any, int]:
-    """(True, out, status of the C call `c_forward_ex` (epmoe_layer_forward_ex)), the caller
+    """(True, out, status of the C call `c_forward_args` (epmoe_layer_forward_args)), the caller
     raising for a nonzero status; or (False, None, 0): not taken, nothing done (no allocation, no
     call). topk_idx may be int32 or int64 (idx_int32 / idx_int64: the C codes). counts / totals:
     the optional expert counts (int32 [e_loc]) and running totals (int64 [e_loc])."""
@@ -90,7 +91,11 @@ def forward(c_forward_ex: Any, handle: int, dev: int, hidden: int, topk: int, t_
     ro = (op, t * hidden * 2)
     if any(ranges_overlap(*ro, *u) for u in inputs + written):
         return False, None, 0
-    status = c_forward_ex(handle, xp or None, ip or None, idx_int64 if wide else idx_int32,
-                          wp or None, op or None, t, written[0][0] or None, written[1][0] or None,
-                          raw_stream(dev), path_code)
-    return True, out, status
+    a, address = _forward_args()
+    a.x, a.topk_idx, a.topk_weights, a.y = xp, ip, wp, op
+    a.expert_counts, a.expert_counts_total = written[0][0], written[1][0]
+    a.stream = raw_stream(dev)
+    a.num_tokens = t
+    a.idx_type = idx_int64 if wide else idx_int32
+    a.path = path_code
+    return True, out, c_forward_args(handle, address)

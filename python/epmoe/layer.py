@@ -295,7 +295,7 @@ class Layer:
                 and (stream is None or self._is_torch_current_stream(stream))):
             from . import _torch_fast
             taken, result, status = _torch_fast.forward(
-                _lib.lib().epmoe_layer_forward_ex, handle, self.device, c.hidden, c.topk,
+                _lib.lib().epmoe_layer_forward_args, handle, self.device, c.hidden, c.topk,
                 c.max_tokens_per_rank, x, topk_idx, topk_weights, out, path_code,
                 _lib.INDEX_INT32, _lib.INDEX_INT64, counts=expert_counts, totals=expert_counts_total,
                 e_loc=c.experts_per_rank)

@@ -32,6 +32,7 @@ from .workspace import Workspace
 __all__ = ["MoE", "moe_forward", "register_layer", "unregister_layer", "registered_layer"]
 
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+_forward_args = _lib.forward_args
 _PATHS = {"auto": _lib.PATH_AUTO, "pipeline": _lib.PATH_PIPELINE, "fused": _lib.PATH_FUSED}
 
 # ---- the registry: int key -> layer --------------------------------------------------------------
@@ -51,8 +52,10 @@ class _Bound:
         self.hidden, self.topk, self.e_loc = c.hidden, c.topk, c.experts_per_rank
         self.t_max = c.max_tokens_per_rank
         # Why cached here: Layer.__call__ reads each tensor through a DLPack capsule and looks the
-        # C function up by name on every call; a torch tensor gives its pointer directly.
-        self.c_forward = _lib.lib().epmoe_layer_forward_ex
+        # C function up by name on every call; a torch tensor gives its pointer directly. The call
+        # is epmoe_layer_forward_args(layer, &args): filling this thread's struct and passing two
+        # arguments costs ~1 us less than converting epmoe_layer_forward_ex's eleven.
+        self.c_forward = _lib.lib().epmoe_layer_forward_args
         self.raw_stream = _raw_stream
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -73,10 +76,19 @@ class _Bound:
                 and topk_weights.is_contiguous() and x.data_ptr() % 16 == 0 and path in _PATHS):
             self._explain(x, topk_idx, topk_weights, path)
         out = x.new_empty((t, self.hidden))
+        a, address = _forward_args()
+        a.x = x.data_ptr()
+        a.topk_idx = topk_idx.data_ptr()
+        a.topk_weights = topk_weights.data_ptr()
+        a.y = out.data_ptr()
+        a.expert_counts = counts_ptr
+        a.expert_counts_total = total_ptr
+        a.stream = self.raw_stream(dev)
+        a.num_tokens = t
         # int64 indices go in as they are: the kernels read either width (no conversion copy).
-        status = self.c_forward(handle, x.data_ptr(), topk_idx.data_ptr(), 1 if it is _I64 else 0,
-                                topk_weights.data_ptr(), out.data_ptr(), t, counts_ptr, total_ptr,
-                                self.raw_stream(dev), _PATHS[path])
+        a.idx_type = 1 if it is _I64 else 0
+        a.path = _PATHS[path]
+        status = self.c_forward(handle, address)
         if status:
             _lib.check(status)
         return out

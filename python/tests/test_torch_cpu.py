@@ -41,7 +41,7 @@ def bound(monkeypatch):
     key = et.register_layer(layer)
     b = et._registry[key]
     rec = SimpleNamespace(key=key, b=b, layer=layer, calls=[])
-    b.c_forward = lambda *a: rec.calls.append(a) or 0
+    b.c_forward = unpacked(lambda *a: rec.calls.append(a) or 0)
     b.raw_stream = lambda device: 777
     yield rec
     et.unregister_layer(key)
@@ -53,6 +53,13 @@ def inputs(t=4, h=256, k=2, idx_dtype=torch.int32):
     w = torch.rand(t, k)
     return x, idx, w
 
+
+
+def unpacked(fn):
+    """A stand-in for the C call epmoe_layer_forward_args(layer, &args) that hands `fn` the
+    arguments in epmoe_layer_forward_ex's order (layer, x, topk_idx, idx_type, topk_weights, y, T,
+    expert_counts, expert_counts_total, stream, path)."""
+    return lambda handle, address: fn(*_lib.unpack_forward_args(handle, address))
 
 # ---- the operator's registration ----------------------------------------------------------------
 
@@ -218,7 +225,7 @@ def test_forward_other_errors(bound):
 
 def test_library_status_becomes_an_exception(bound, monkeypatch):
     monkeypatch.setattr(_lib, "_lib", _lib.lib())
-    bound.b.c_forward = lambda *a: 2
+    bound.b.c_forward = unpacked(lambda *a: 2)
     with pytest.raises(epmoe.UnsupportedError):
         et._moe_forward_cuda(*inputs(), bound.key)
 
@@ -339,7 +346,7 @@ def test_moe_load_weights(moe):
 
 def test_moe_forward_with_a_module_takes_its_path(moe):
     calls = []
-    moe._bound.c_forward = lambda *a: calls.append(a) or 0
+    moe._bound.c_forward = unpacked(lambda *a: calls.append(a) or 0)
     moe._bound.raw_stream = lambda device: 5
     x, idx, w = inputs(t=2)
     et.moe_forward(x, idx, w, moe)  # no path: the module's own ("auto" by default)
@@ -352,7 +359,7 @@ def test_moe_forward_with_a_module_takes_its_path(moe):
 
 def test_moe_eager_calls_the_kernel_directly(moe):
     calls = []
-    moe._bound.c_forward = lambda *a: calls.append(a) or 0
+    moe._bound.c_forward = unpacked(lambda *a: calls.append(a) or 0)
     moe._bound.raw_stream = lambda device: 5
     x, idx, w = inputs(t=3, idx_dtype=torch.int64)
     y = moe(x, idx, w)
@@ -431,7 +438,7 @@ def cpu_kernel(bound):
             arr[:] = [v + 10 + e for e, v in enumerate(arr)]
         return 0
 
-    bound.b.c_forward = copy_x
+    bound.b.c_forward = unpacked(copy_x)
     impl = torch.library.Library("epmoe", "IMPL")
     impl.impl("moe_forward", et._moe_forward_cuda, "CPU")
     impl.impl("moe_forward_counts", et._moe_forward_counts_cuda, "CPU")
@@ -543,7 +550,7 @@ def test_moe_on_a_workspace_refuses_replaced_buffers(moe_ws):
 
 
 def test_moe_on_a_workspace_needs_its_weights(moe_ws):
-    moe_ws._bound.c_forward = lambda *a: pytest.fail("called the library")
+    moe_ws._bound.c_forward = unpacked(lambda *a: pytest.fail("called the library"))
     with pytest.raises(epmoe.InvalidArgument, match="the weights were never loaded"):
         moe_ws(*inputs(t=3))
 
@@ -551,7 +558,7 @@ def test_moe_on_a_workspace_needs_its_weights(moe_ws):
 def test_moe_expert_counts_total(moe_ws):
     moe_ws.weights_loaded = True
     calls = []
-    moe_ws._bound.c_forward = lambda *a: calls.append(a) or 0
+    moe_ws._bound.c_forward = unpacked(lambda *a: calls.append(a) or 0)
     moe_ws._bound.raw_stream = lambda device: 5
     total = moe_ws.expert_counts_total
     assert (tuple(total.shape), total.dtype) == ((4,), torch.int64) and not total.any()
@@ -577,7 +584,7 @@ def test_moe_counting_eager_and_compiled(moe_ws):
         return 0
 
     moe_ws.weights_loaded = True
-    moe_ws._bound.c_forward = c_call
+    moe_ws._bound.c_forward = unpacked(c_call)
     moe_ws._bound.raw_stream = lambda device: 0
     impl = torch.library.Library("epmoe", "IMPL")
     impl.impl("moe_forward_counts", et._moe_forward_counts_cuda, "CPU")

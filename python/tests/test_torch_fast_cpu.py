@@ -30,11 +30,11 @@ def calls(monkeypatch):
     """The C forward's recorded arguments; status 0."""
     seen = []
 
-    def forward(*args):
-        seen.append(args)
+    def forward(handle, address):  # epmoe_layer_forward_args: recorded in epmoe_layer_forward_ex's order
+        seen.append(_lib.unpack_forward_args(handle, address))
         return 0
 
-    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward_ex=forward))
+    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward_args=forward))
     monkeypatch.setattr(_torch_fast, "_raw_stream", lambda dev: STREAM)
     monkeypatch.setattr(_torch_fast.forward, "__defaults__", (lambda dev: STREAM,))
     # The DLPack path asks torch for its current stream (no CUDA here).
@@ -141,7 +141,7 @@ def test_hot_path_zero_tokens_passes_null_pointers(calls):
 
 
 def test_library_status_raises(monkeypatch):
-    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward_ex=lambda *a: 3))
+    monkeypatch.setattr(_lib, "lib", lambda: SimpleNamespace(epmoe_layer_forward_args=lambda *a: 3))
     monkeypatch.setattr(_torch_fast.forward, "__defaults__", (lambda dev: STREAM,))
     raised = []
     monkeypatch.setattr(_lib, "check", lambda status: raised.append(status))

@@ -29,6 +29,8 @@
 
 // The Python package mirrors the struct field by field (python/epmoe/_lib.py checks this size).
 static_assert(sizeof(epmoe_layer_config) == 56, "epmoe_layer_config changed: bump EPMOE_C_API_VERSION and _lib.py");
+// The Python package mirrors it too (python/epmoe/_lib.py, ForwardArgsC).
+static_assert(sizeof(epmoe_forward_args) == 72, "epmoe_forward_args changed: bump EPMOE_C_API_VERSION and _lib.py");
 static_assert(sizeof(ncclUniqueId) == EPMOE_UNIQUE_ID_BYTES, "EPMOE_UNIQUE_ID_BYTES != sizeof(ncclUniqueId)");
 static_assert(EPMOE_INVALID_ARGUMENT == int(epmoe::StatusCode::kInvalidArgument) &&
                   EPMOE_INTERNAL == int(epmoe::StatusCode::kInternal),
@@ -504,6 +506,13 @@ int epmoe_layer_forward_ex(epmoe_layer* layer, const void* x, const void* topk_i
     EPMOE_RETURN_IF_ERROR(guard.enter(layer->comm->device));
     return layer->layer->forward(a, static_cast<cudaStream_t>(stream), static_cast<epmoe::Path>(path));
   });
+}
+
+int epmoe_layer_forward_args(epmoe_layer* layer, const epmoe_forward_args* args) {
+  if (!args) return guarded([&]() -> Status { return invalid("args is null"); });
+  return epmoe_layer_forward_ex(layer, args->x, args->topk_idx, args->idx_type, args->topk_weights, args->y,
+                                args->num_tokens, args->expert_counts, args->expert_counts_total, args->stream,
+                                args->path);
 }
 
 // ---- workspace ----------------------------------------------------------------------------------
