@@ -275,7 +275,7 @@ Status check_output(const ref::Problem& p, const LayerCase& c, int rank, const s
 
 const char* path_label(Path q) { return q == Path::kFused ? "fused" : q == Path::kAuto ? "auto" : "pipeline"; }
 
-// y (just computed by the case's paths: this rank's is path_of(rank)) against the pipeline on
+// y (just computed by the case's paths: this rank's is path_of(rank, call)) against the pipeline on
 // every rank on the same inputs, and against a second call of the case's paths: both must be
 // bitwise equal over this rank's T rows. Collective (every rank makes the same forward calls in the
 // same order).
@@ -284,7 +284,7 @@ Status check_paths_agree(const ref::Problem& p, const LayerCase& c, int rank, Mo
   const int T = c.tokens[rank];
   const size_t n = size_t(T) * p.H;
   std::vector<uint16_t> other(size_t(p.T_max) * p.H);
-  const Path mine = c.path_of(rank);
+  const Path mine = c.path_of(rank, call);
   const Path order[2] = {Path::kPipeline, mine};
   const std::string second = std::string("second ") + path_label(mine) + " call";
   const char* what[2] = {"pipeline", second.c_str()};
@@ -331,6 +331,7 @@ std::string LayerCase::describe() const {
   if (!rank_paths.empty()) {
     os << "/paths=";
     for (size_t i = 0; i < rank_paths.size(); ++i) os << (i ? "," : "") << path_label(rank_paths[i]);
+    if (rotate_paths) os << "/rotating";
   } else if (path != Path::kPipeline) {
     os << "/" << path_label(path);
   }
@@ -418,7 +419,7 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
       if (!graph_exec) {
         cudaGraph_t graph;
         EPMOE_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        Status st = layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path_of(rank));
+        Status st = layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path_of(rank, call));
         cudaError_t end = cudaStreamEndCapture(stream, &graph);
         EPMOE_RETURN_IF_ERROR(st);
         EPMOE_CUDA_RETURN(end);
@@ -427,9 +428,9 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
       }
       EPMOE_CUDA_RETURN(cudaGraphLaunch(graph_exec, stream));
     } else {
-      EPMOE_RETURN_IF_ERROR(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path_of(rank)));
+      EPMOE_RETURN_IF_ERROR(layer->forward(buf.x.p, buf.idx.p, buf.w.p, buf.y.p, c.tokens[rank], stream, c.path_of(rank, call)));
     }
-    if (c.path_of(rank) == Path::kAuto) {
+    if (c.path_of(rank, call) == Path::kAuto) {
       // The choice Path::kAuto made on this rank, from its own T alone.
       const int env_limit = detail::tuning_overrides().auto_fused_max_tokens;  // EPMOE_AUTO_FUSED_MAX
       const int64_t limit = c.auto_fused_max_tokens >= 0 ? c.auto_fused_max_tokens
@@ -440,9 +441,9 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
         path_failure = ("rank " + std::to_string(rank) + " " + c.describe() + ": Path::kAuto with T=" +
                     std::to_string(c.tokens[rank]) + " and its threshold at " + std::to_string(limit) + " ran " +
                     path_label(layer->last_path()) + ", expected " + path_label(want) + replay_note(c));
-    } else if (layer->last_path() != c.path_of(rank) && path_failure.empty()) {
+    } else if (!c.graph && layer->last_path() != c.path_of(rank, call) && path_failure.empty()) {
       path_failure = "rank " + std::to_string(rank) + " " + c.describe() + ": last_path() reports " +
-                     path_label(layer->last_path()) + " after a " + path_label(c.path_of(rank)) + " call";
+                     path_label(layer->last_path()) + " after a " + path_label(c.path_of(rank, call)) + " call";
     }
     const bool check = c.evidence || call == c.calls - 1 || call % c.check_every == 0;
     if (!check) continue;

@@ -43,6 +43,9 @@ struct LayerCase {
   // Per rank (repeated cyclically over the ranks like `tokens`): each rank's own path in the same
   // calls; empty: `path` on every rank. The paths share one comm protocol, so ranks may differ.
   std::vector<Path> rank_paths;
+  // With rank_paths: call i on rank r runs rank_paths[(r + i) % size] (each rank changes its path
+  // from call to call, and the ranks of one call differ).
+  bool rotate_paths = false;
   // >= 0: Path::kAuto takes the megakernel up to this many tokens (the tuning override, in this
   // rank's process while the layer is created); -1: the library's threshold.
   int auto_fused_max_tokens = -1;
@@ -61,8 +64,11 @@ struct LayerCase {
   // kernel-consistent check or the paths' bitwise agreement failed on any call).
   bool evidence = false;
   std::string describe() const;
-  // This rank's path in the case's calls.
-  Path path_of(int rank) const { return rank_paths.empty() ? path : rank_paths[size_t(rank) % rank_paths.size()]; }
+  // This rank's path in call `call` of the case.
+  Path path_of(int rank, int call = 0) const {
+    if (rank_paths.empty()) return path;
+    return rank_paths[size_t(rank + (rotate_paths ? call : 0)) % rank_paths.size()];
+  }
   // Whether any rank runs something other than the pipeline (then the paths are cross-checked).
   bool any_not_pipeline() const {
     if (rank_paths.empty()) return path != Path::kPipeline;

@@ -397,6 +397,21 @@ TEST(LayerSoak, PipelineTenThousandCallsFreshRouting) {
   run_case(c, 2, 500);
 }
 
+// The soak of ranks on different paths: every call each rank switches its path, and in every call
+// half of the ranks run the megakernel and half the pipeline (the transitions Path::kAuto makes when
+// T crosses its threshold), 10,000 calls, checked against the reference and bitwise against the
+// pipeline on every rank every 2,000 calls.
+TEST(LayerSoak, MixedPathsTenThousandCallsFreshRouting) {
+  EPMOE_REQUIRE_RANKS(test_ranks(2));
+  LayerCase c = make(kSmall, DType::kFP8, Routing::kZipf, {96, 64});
+  c.rank_paths = {Path::kFused, Path::kPipeline};
+  c.rotate_paths = true;
+  c.calls = 10000;
+  c.check_every = 2000;
+  c.sample_per_rank = 64;
+  run_case(c, 2, 500);
+}
+
 // Calls alternate between the paths on one layer: both share the dispatch/combine epochs and the
 // pool, so a fused call right after a pipeline call (and back) must see consistent state.
 TEST(LayerE2EFused, AlternatingPaths) {
