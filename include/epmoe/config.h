@@ -27,9 +27,10 @@ enum class PartialPrecision {
 enum class Path {
   kPipeline,  ///< dispatch -> L1 + SwiGLU -> L2 -> combine, a chain of kernels.
   kFused,     ///< the persistent megakernel.
-  kAuto,      ///< per call and rank from its own token count: the megakernel up to 1024 tokens (faster
-              ///< there, and one launch instead of four), the pipeline above (faster at 4096 and up on
-              ///< H100 and H200, FP8); the pipeline wherever the megakernel is unavailable.
+  kAuto,      ///< per call and rank from its own token count: the megakernel while the call's GEMM work
+              ///< T x topk x H x I is at most 2^34 (the DSV3 slice up to 146 tokens, a Qwen3-30B-like
+              ///< shape up to 1365: faster there, and one launch instead of four), the pipeline above;
+              ///< the pipeline wherever the megakernel is unavailable.
 };
 
 /// Integer type of a forward call's topk_idx.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
 from ctypes import POINTER, c_char_p, c_double, c_float, c_int, c_int32, c_int64, c_uint8
 from ctypes import c_void_p, c_size_t
@@ -65,18 +66,25 @@ class ForwardArgsC(ctypes.Structure):
 
 
 _forward_args_tls = threading.local()
+# ForwardArgsC's layout for struct.pack_into: one call fills all ten fields (~0.4 us, against ~1 us
+# for ten ctypes field assignments). Pointers as unsigned 64-bit, 0 for NULL.
+_FORWARD_ARGS = struct.Struct("=7Qq2i")
 
 
 def forward_args() -> tuple:
-    """(this thread's ForwardArgsC, its address): filled per call and read by the C call before it
-    returns. Why per thread: ctypes releases the GIL during the call, so another thread's fill must
-    not land in the struct a call is reading."""
+    """(pack, buffer, address): this thread's epmoe_forward_args as a 72-byte buffer at `address`,
+    filled per call by pack(buffer, 0, x, topk_idx, topk_weights, y, expert_counts,
+    expert_counts_total, stream, num_tokens, idx_type, path) (pointers as ints, 0 for NULL) and read
+    by the C call before it returns. Why per thread: ctypes releases the GIL during the call, so
+    another thread's fill must not land in the struct a call is reading."""
     try:
-        return _forward_args_tls.ap
+        return _forward_args_tls.pba
     except AttributeError:
-        a = ForwardArgsC()
-        _forward_args_tls.ap = (a, ctypes.addressof(a))
-        return _forward_args_tls.ap
+        buf = bytearray(_FORWARD_ARGS.size)
+        view = (ctypes.c_char * len(buf)).from_buffer(buf)  # pins buf; keeps the address valid
+        _forward_args_tls.view = view
+        _forward_args_tls.pba = (_FORWARD_ARGS.pack_into, buf, ctypes.addressof(view))
+        return _forward_args_tls.pba
 
 
 def unpack_forward_args(handle: int, address: int) -> tuple:

@@ -91,11 +91,7 @@ def forward(c_forward_args: Any, handle: int, dev: int, hidden: int, topk: int, 
     ro = (op, t * hidden * 2)
     if any(ranges_overlap(*ro, *u) for u in inputs + written):
         return False, None, 0
-    a, address = _forward_args()
-    a.x, a.topk_idx, a.topk_weights, a.y = xp, ip, wp, op
-    a.expert_counts, a.expert_counts_total = written[0][0], written[1][0]
-    a.stream = raw_stream(dev)
-    a.num_tokens = t
-    a.idx_type = idx_int64 if wide else idx_int32
-    a.path = path_code
+    pack, buf, address = _forward_args()
+    pack(buf, 0, xp, ip, wp, op, written[0][0], written[1][0], raw_stream(dev), t,
+         idx_int64 if wide else idx_int32, path_code)
     return True, out, c_forward_args(handle, address)

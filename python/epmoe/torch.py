@@ -76,18 +76,11 @@ class _Bound:
                 and topk_weights.is_contiguous() and x.data_ptr() % 16 == 0 and path in _PATHS):
             self._explain(x, topk_idx, topk_weights, path)
         out = x.new_empty((t, self.hidden))
-        a, address = _forward_args()
-        a.x = x.data_ptr()
-        a.topk_idx = topk_idx.data_ptr()
-        a.topk_weights = topk_weights.data_ptr()
-        a.y = out.data_ptr()
-        a.expert_counts = counts_ptr
-        a.expert_counts_total = total_ptr
-        a.stream = self.raw_stream(dev)
-        a.num_tokens = t
+        pack, buf, address = _forward_args()
         # int64 indices go in as they are: the kernels read either width (no conversion copy).
-        a.idx_type = 1 if it is _I64 else 0
-        a.path = _PATHS[path]
+        pack(buf, 0, x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(),
+             counts_ptr or 0, total_ptr or 0, self.raw_stream(dev), t, 1 if it is _I64 else 0,
+             _PATHS[path])
         status = self.c_forward(handle, address)
         if status:
             _lib.check(status)
@@ -433,6 +426,7 @@ class MoE(torch.nn.Module):
         self.layer_key = register_layer(self.layer)
         self._bound = _registry[self.layer_key]
         self._unregister = weakref.finalize(self, unregister_layer, self.layer_key)
+        self._counting = count_experts
         self.register_buffer("expert_counts_total", torch.zeros(
             (self.config.experts_per_rank,), dtype=_I64, device=_buffer_device(self.layer.device))
             if count_experts else None, persistent=False)
@@ -512,13 +506,13 @@ class MoE(torch.nn.Module):
             # it would read the buffers' uninitialized memory.
             raise InvalidArgument("MoE.forward: the weights were never loaded (load_weights or "
                                   "load_state_dict)")
-        total = self.expert_counts_total
-        if not return_expert_counts and total is None:
+        # Why a plain attribute first: reading a buffer goes through nn.Module.__getattr__.
+        if not return_expert_counts and not self._counting:
             if _plain_eager(x):
                 return self._bound.forward(x, topk_idx, topk_weights, self.path)
             return _OP(x, topk_idx, topk_weights, self.layer_key, self.path)
         return _with_counts(self.layer_key, x, topk_idx, topk_weights, self.path,
-                            return_expert_counts, total)
+                            return_expert_counts, self.expert_counts_total)
 
     def reset_expert_counts(self) -> None:
         """Zeroes ``expert_counts_total`` (stream-ordered)."""

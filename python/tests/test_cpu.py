@@ -534,17 +534,16 @@ def test_forward_args_struct_matches_the_library():
     # epmoe_forward_args: 72 bytes (c_api.cpp static_asserts the same), filled per thread.
     import ctypes
     import threading
-    assert ctypes.sizeof(_lib.ForwardArgsC) == 72
-    a, address = _lib.forward_args()
-    assert address == ctypes.addressof(a) and _lib.forward_args()[1] == address
+    assert ctypes.sizeof(_lib.ForwardArgsC) == 72 == _lib._FORWARD_ARGS.size
+    pack, buf, address = _lib.forward_args()
+    assert _lib.forward_args()[2] == address
     other = []
-    t = threading.Thread(target=lambda: other.append(_lib.forward_args()[1]))
+    t = threading.Thread(target=lambda: other.append(_lib.forward_args()[2]))
     t.start()
     t.join()
     assert other and other[0] != address  # another thread fills its own struct
-    a.x, a.topk_idx, a.topk_weights, a.y = 0x10, 0x20, 0x30, 0x40
-    a.expert_counts, a.expert_counts_total, a.stream = None, 0x50, 7
-    a.num_tokens, a.idx_type, a.path = 3, _lib.INDEX_INT64, _lib.PATH_AUTO
+    # pack_into's layout is ForwardArgsC's, field by field.
+    pack(buf, 0, 0x10, 0x20, 0x30, 0x40, 0, 0x50, 7, 3, _lib.INDEX_INT64, _lib.PATH_AUTO)
     assert _lib.unpack_forward_args(0x1234, address) == (
         0x1234, 0x10, 0x20, _lib.INDEX_INT64, 0x30, 0x40, 3, None, 0x50, 7, _lib.PATH_AUTO)
     # The real function: a null layer and a null struct are errors, not crashes.

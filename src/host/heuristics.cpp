@@ -28,6 +28,11 @@ double expected_l1_tiles(const LayerShape& s, int64_t num_tokens) {
 
 }  // namespace
 
+int64_t auto_fused_max_tokens(int topk, int hidden, int intermediate) {
+  const int64_t per_token = int64_t(topk) * hidden * intermediate;
+  return per_token > 0 ? kAutoFusedMaxWork / per_token : 0;
+}
+
 Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const TuningOverrides& o) {
   Tuning t;
   const bool tiny = tiny_call(s, num_tokens);
@@ -56,11 +61,11 @@ Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const Tuning
   t.fused_claim_tiles = o.fused_claim_tiles >= 0 ? o.fused_claim_tiles == 1
                                                  : !tiny || expected_l1_tiles(s, num_tokens) > double(s.grid);
   // Path::kAuto, per rank from its own T (the paths are interchangeable per rank: the same comm
-  // protocol, bitwise the same y). Measured (docs/BENCHMARKS.md, same calls): the megakernel is
-  // faster from 1 to 1024 tokens per rank on both reference shapes at R = 2 and 4 (level at 128 on
-  // the Qwen3-like one), the pipeline at 4096 and 8192 (FP8); one launch also costs the host ~4 us
-  // against the pipeline's four at ~15 us, which decode calls pay in full.
-  t.auto_fused = num_tokens <= (o.auto_fused_max_tokens >= 0 ? int64_t(o.auto_fused_max_tokens) : kAutoFusedMaxTokens);
+  // protocol, bitwise the same y), by the call's GEMM work (kAutoFusedMaxWork; measured crossovers
+  // in docs/DESIGN.md, "Path::kAuto"). One launch also costs the host ~3 us against the pipeline's
+  // four at ~15 us, which decode calls pay in full.
+  t.auto_fused = num_tokens <= (o.auto_fused_max_tokens >= 0 ? int64_t(o.auto_fused_max_tokens)
+                                                             : auto_fused_max_tokens(s.topk, s.hidden, s.intermediate));
   return t;
 }
 
