@@ -27,9 +27,8 @@ enum class PartialPrecision {
 enum class Path {
   kPipeline,  ///< dispatch -> L1 + SwiGLU -> L2 -> combine, a chain of kernels.
   kFused,     ///< the persistent megakernel.
-  kAuto,      ///< per call and rank from its own token count: the megakernel while the call's GEMM work
-              ///< T x topk x H x I is at most 2^34 (the DSV3 slice up to 146 tokens, a Qwen3-30B-like
-              ///< shape up to 1365: faster there, and one launch instead of four), the pipeline above;
+  kAuto,      ///< per call and rank from its own token count: the megakernel up to 512 tokens (faster
+              ///< there on the shapes measured, and one launch instead of four), the pipeline above;
               ///< the pipeline wherever the megakernel is unavailable.
 };
 

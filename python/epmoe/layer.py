@@ -284,9 +284,8 @@ class Layer:
         index is found on the GPU (its slot is masked) and the next call on this rank raises
         InvalidArgument naming it, after running normally; a device wait that timed out makes the
         next call raise DeviceTimeout without running. :meth:`check_device_error` is the explicit,
-        synchronizing check. `path`: "auto" (the default: per call and rank, the megakernel while
-        T x topk x H x I <= 2^34, e.g. up to 146 tokens at H 7168 / I 2048 / top-8, the pipeline
-        above), "pipeline" (four kernels) or "fused" (the megakernel);
+        synchronizing check. `path`: "auto" (the default: per call and rank, the megakernel up to
+        512 tokens, the pipeline above), "pipeline" (four kernels) or "fused" (the megakernel);
         all give bitwise the same result, and ranks may take different paths in one call.
         """
         handle = self._live_handle()

@@ -28,11 +28,6 @@ double expected_l1_tiles(const LayerShape& s, int64_t num_tokens) {
 
 }  // namespace
 
-int64_t auto_fused_max_tokens(int topk, int hidden, int intermediate) {
-  const int64_t per_token = int64_t(topk) * hidden * intermediate;
-  return per_token > 0 ? kAutoFusedMaxWork / per_token : 0;
-}
-
 Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const TuningOverrides& o) {
   Tuning t;
   const bool tiny = tiny_call(s, num_tokens);
@@ -61,11 +56,11 @@ Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const Tuning
   t.fused_claim_tiles = o.fused_claim_tiles >= 0 ? o.fused_claim_tiles == 1
                                                  : !tiny || expected_l1_tiles(s, num_tokens) > double(s.grid);
   // Path::kAuto, per rank from its own T (the paths are interchangeable per rank: the same comm
-  // protocol, bitwise the same y), by the call's GEMM work (kAutoFusedMaxWork; measured crossovers
-  // in docs/DESIGN.md, "Path::kAuto"). One launch also costs the host ~3 us against the pipeline's
-  // four at ~15 us, which decode calls pay in full.
-  t.auto_fused = num_tokens <= (o.auto_fused_max_tokens >= 0 ? int64_t(o.auto_fused_max_tokens)
-                                                             : auto_fused_max_tokens(s.topk, s.hidden, s.intermediate));
+  // protocol, bitwise the same y). Measured on 4x H200 at R = 4 and 2 (docs/DESIGN.md, "Path::kAuto"):
+  // the megakernel is faster up to 512 tokens on the DSV3 slice and up to 1280 on the Qwen3-like
+  // shape, slower from 1024 and 1536; 512 serves both. One launch also costs the host ~3 us against
+  // the pipeline's four at ~15 us, which decode calls pay in full.
+  t.auto_fused = num_tokens <= (o.auto_fused_max_tokens >= 0 ? int64_t(o.auto_fused_max_tokens) : kAutoFusedMaxTokens);
   return t;
 }
 

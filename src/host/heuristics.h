@@ -39,9 +39,6 @@ struct LayerShape {
   // and the megakernel's grid; 0 = unknown (tiny calls then keep the static order).
   int l1_tiles_per_expert = 0;
   int grid = 0;
-  // For Path::kAuto: H and I (0 = unknown: the auto rule then takes the pipeline).
-  int hidden = 0;
-  int intermediate = 0;
 };
 
 // The comm kernels' shape: the grid's upper bound and the work per token.
@@ -63,14 +60,9 @@ struct TuningOverrides {
   int auto_fused_max_tokens = -1;    // >= 0: Path::kAuto takes the megakernel up to this many tokens
 };
 
-// Path::kAuto takes the megakernel while a call's GEMM work, T x topk x H x I (rows x the product
-// that sets a row's FLOPs), is at most this, the pipeline above. The megakernel saves a call's
-// fixed costs (launches, kernel boundaries, ~10-20 us) and runs its GEMM tiles ~5-8% slower than
-// the pipeline's kernels, so it wins up to a GEMM time, i.e. a work, and not a token count.
-inline constexpr int64_t kAutoFusedMaxWork = int64_t(1) << 34;
-
-// The largest T that Path::kAuto runs on the megakernel for this shape (0 if none but T = 0).
-int64_t auto_fused_max_tokens(int topk, int hidden, int intermediate);
+// Path::kAuto takes the megakernel up to this many local tokens per call, the pipeline above
+// (measured crossovers: docs/DESIGN.md, "Path::kAuto").
+inline constexpr int64_t kAutoFusedMaxTokens = 512;
 
 // The per-call choices of a forward call of num_tokens local tokens.
 Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const TuningOverrides& o);

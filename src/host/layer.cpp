@@ -499,9 +499,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   heuristics::Tuning tuning(int num_tokens) const {
     const int l1_tiles = (2 * cfg_.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
     return heuristics::choose_layer_tuning(
-        heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank(), l1_tiles, fused_grid_, cfg_.hidden,
-                               cfg_.intermediate},
-        num_tokens, overrides_);
+        heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank(), l1_tiles, fused_grid_}, num_tokens, overrides_);
   }
 
   // Collective, after DispatchHandle::create: every rank learns whether planning the GEMMs and

@@ -435,7 +435,7 @@ Status run_layer_case(Communicator& comm, const LayerCase& c, uint64_t seed) {
       const int env_limit = detail::tuning_overrides().auto_fused_max_tokens;  // EPMOE_AUTO_FUSED_MAX
       const int64_t limit = c.auto_fused_max_tokens >= 0 ? c.auto_fused_max_tokens
                             : env_limit >= 0             ? env_limit
-                                                         : heuristics::auto_fused_max_tokens(p.K, p.H, p.I);
+                                                         : heuristics::kAutoFusedMaxTokens;
       const Path want = c.tokens[rank] <= limit ? Path::kFused : Path::kPipeline;
       if (layer->last_path() != want && path_failure.empty())
         path_failure = ("rank " + std::to_string(rank) + " " + c.describe() + ": Path::kAuto with T=" +

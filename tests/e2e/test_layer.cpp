@@ -258,8 +258,8 @@ TEST(LayerE2E, MixedPathsPerRankZeroTokensBf16) {
   run_case(c, 2, 240);
 }
 // Path::kAuto: each rank chooses from its own T (checked through last_path()), on either side of a
-// lowered threshold, and at the library's own threshold (for the Qwen3-like shape 1365 tokens: the
-// megakernel, 1366: the pipeline).
+// lowered threshold, and at the library's own threshold (512 tokens: the megakernel, 513: the
+// pipeline).
 TEST(LayerE2E, AutoPathAcrossItsThreshold) {
   LayerCase c = make(kQwen3, DType::kFP8, Routing::kZipf, {8, 300, 0, 100});
   c.max_tokens = 512;
@@ -269,7 +269,7 @@ TEST(LayerE2E, AutoPathAcrossItsThreshold) {
   run_case(c, 2, 240);
 }
 TEST(LayerE2E, AutoPathAtTheLibraryThreshold) {
-  LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {1365, 1366});
+  LayerCase c = make(kQwen3, DType::kFP8, Routing::kUniform, {512, 513});
   c.path = Path::kAuto;
   run_case(c, 2, 240);
 }

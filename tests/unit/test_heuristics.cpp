@@ -47,23 +47,14 @@ TEST(Heuristics, TinyCallsClaimTilesBeyondOneWave) {
   EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32, 16, 0}, 2, none).fused_claim_tiles);
 }
 
-// Path::kAuto: the megakernel while T x topk x H x I <= 2^34, 0 tokens included: the DSV3 slice up
-// to 146 tokens, the Qwen3-like shape up to 1365; the pipeline where the shape is unknown; the
-// override moves the threshold (in tokens).
-TEST(Heuristics, AutoPathTakesTheMegakernelUpToAGemmWork) {
-  EXPECT_EQ(auto_fused_max_tokens(8, 7168, 2048), 146);
-  EXPECT_EQ(auto_fused_max_tokens(8, 2048, 768), 1365);
-  EXPECT_EQ(auto_fused_max_tokens(8, 0, 768), 0);
-  const LayerShape dsv3{8, 32, 16, 132, 7168, 2048};
+// Path::kAuto: the megakernel up to kAutoFusedMaxTokens (512) local tokens, 0 included; the override
+// moves the threshold.
+TEST(Heuristics, AutoPathTakesTheMegakernelUpTo512Tokens) {
+  const LayerShape s{8, 32, 16, 132};
   TuningOverrides o;
-  for (int64_t t : {0, 1, 2, 128, 146}) EXPECT_TRUE(choose_layer_tuning(dsv3, t, o).auto_fused) << t;
-  for (int64_t t : {147, 1024, 4096}) EXPECT_FALSE(choose_layer_tuning(dsv3, t, o).auto_fused) << t;
-  const LayerShape qwen3{8, 64, 6, 132, 2048, 768};
-  EXPECT_TRUE(choose_layer_tuning(qwen3, 1365, o).auto_fused);
-  EXPECT_FALSE(choose_layer_tuning(qwen3, 1366, o).auto_fused);
-  EXPECT_TRUE(choose_layer_tuning(LayerShape{8, 32}, 0, o).auto_fused);
-  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32}, 1, o).auto_fused);
-  const LayerShape s = dsv3;
+  EXPECT_EQ(kAutoFusedMaxTokens, 512);
+  for (int64_t t : {0, 1, 2, 128, 512}) EXPECT_TRUE(choose_layer_tuning(s, t, o).auto_fused) << t;
+  for (int64_t t : {513, 1024, 4096}) EXPECT_FALSE(choose_layer_tuning(s, t, o).auto_fused) << t;
   o.auto_fused_max_tokens = 100;
   EXPECT_TRUE(choose_layer_tuning(s, 100, o).auto_fused);
   EXPECT_FALSE(choose_layer_tuning(s, 101, o).auto_fused);
