@@ -151,6 +151,11 @@ def run_gpu(args) -> int:
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.pin is not None:
+        # This thread only (threads made earlier, NCCL's among them, keep their affinity): one core
+        # per local rank, so that the timed loop does not migrate or share a core with its siblings.
+        core = sorted(os.sched_getaffinity(0))[(args.pin + 2 * local) % len(os.sched_getaffinity(0))]
+        os.sched_setaffinity(0, {core})
     e = args.experts * world if args.experts_per_rank else args.experts
     moe = et.MoE(e, args.hidden, args.intermediate, args.topk, max(args.tokens, 1), args.dtype,
                  path=args.path)
@@ -222,6 +227,8 @@ def run_gpu(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="no GPU: the Python side, C call stubbed")
+    ap.add_argument("--pin", type=int, default=None, metavar="CORE",
+                    help="pin the timing thread of local rank r to core CORE + 2 r (of those allowed)")
     ap.add_argument("--profile", action="store_true", help="with --cpu: cProfile the op calls")
     ap.add_argument("--calls", type=int, default=100, help="enqueues per timed batch")
     ap.add_argument("--repeats", type=int, default=20, help="timed batches (median reported)")
