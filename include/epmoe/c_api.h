@@ -195,7 +195,7 @@ EPMOE_C_EXPORT int epmoe_layer_create(epmoe_comm* comm, const epmoe_layer_config
                                       epmoe_layer** out);
 /// The configuration the layer was created with (num_ranks filled in).
 EPMOE_C_EXPORT int epmoe_layer_get_config(const epmoe_layer* layer, epmoe_layer_config* cfg);
-/// MoELayer::last_path: the path this rank's last forward ran (EPMOE_PATH_PIPELINE or
+/// MoELayer::last_path: the path this rank's last forward chose (EPMOE_PATH_PIPELINE or
 /// EPMOE_PATH_FUSED, the choice EPMOE_PATH_AUTO made), into *path. Host only, no sync.
 EPMOE_C_EXPORT int epmoe_layer_last_path(const epmoe_layer* layer, int* path);
 /// MoELayer::load_weights. Layouts are those of epmoe::ExpertWeights; scales are NULL in BF16

@@ -142,7 +142,8 @@ class MoELayer {
 
   virtual const LayerConfig& config() const = 0;
 
-  /// The path this rank's last forward call ran: kPipeline or kFused (Path::kAuto's choice), on the
+  /// The path this rank's last forward call chose: kPipeline or kFused (Path::kAuto's choice), also
+  /// when its launch then failed; a call rejected by its argument checks leaves it as it was. On the
   /// host, no sync; kPipeline before the first call.
   virtual Path last_path() const = 0;
 };

@@ -29,6 +29,7 @@ side can be measured and profiled (--profile: cProfile of the op rows) on a mach
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -151,11 +152,6 @@ def run_gpu(args) -> int:
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.pin is not None:
-        # This thread only (threads made earlier, NCCL's among them, keep their affinity): one core
-        # per local rank, so that the timed loop does not migrate or share a core with its siblings.
-        core = sorted(os.sched_getaffinity(0))[(args.pin + 2 * local) % len(os.sched_getaffinity(0))]
-        os.sched_setaffinity(0, {core})
     e = args.experts * world if args.experts_per_rank else args.experts
     moe = et.MoE(e, args.hidden, args.intermediate, args.topk, max(args.tokens, 1), args.dtype,
                  path=args.path)
@@ -184,9 +180,15 @@ def run_gpu(args) -> int:
     xp, ip, wp, op_ = x.data_ptr(), idx.data_ptr(), w.data_ptr(), out.data_ptr()
     raw = torch._C._cuda_getCurrentRawStream
     path_code = et._PATHS[args.path]
-    # The C call with its argument struct filled once (epmoe_layer_forward_args).
-    pack, c_args, args_address = epmoe._lib.forward_args()
-    pack(c_args, 0, xp, ip, wp, op_, 0, 0, raw(local), t, 0, path_code)
+    # The C call with its own argument struct, filled once (epmoe_layer_forward_args; the hot paths
+    # refill this thread's struct on every call).
+    c_args = epmoe._lib.ForwardArgsC(xp, ip, wp, op_, None, None, raw(local), t, 0, path_code)
+    args_address = ctypes.addressof(c_args)
+    if args.pin is not None:
+        # This thread only, after every thread of NCCL, torch and epmoe exists (they keep their
+        # affinity): one core per local rank, so that the timed loop does not migrate.
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[(args.pin + 2 * local) % len(allowed)]})
 
     def sync():
         torch.cuda.synchronize()

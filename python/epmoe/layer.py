@@ -342,8 +342,8 @@ class Layer:
 
     @property
     def last_path(self) -> str:
-        """The path this rank's last call ran, "pipeline" or "fused" (what "auto" chose); host
-        only, no sync. "pipeline" before the first call."""
+        """The path this rank's last call chose, "pipeline" or "fused" (what "auto" chose; also
+        when its launch then failed); host only, no sync. "pipeline" before the first call."""
         import ctypes
         code = ctypes.c_int(-1)
         _lib.call("epmoe_layer_last_path", self._live_handle(), ctypes.byref(code))

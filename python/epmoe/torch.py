@@ -426,7 +426,6 @@ class MoE(torch.nn.Module):
         self.layer_key = register_layer(self.layer)
         self._bound = _registry[self.layer_key]
         self._unregister = weakref.finalize(self, unregister_layer, self.layer_key)
-        self._counting = count_experts
         self.register_buffer("expert_counts_total", torch.zeros(
             (self.config.experts_per_rank,), dtype=_I64, device=_buffer_device(self.layer.device))
             if count_experts else None, persistent=False)
@@ -506,8 +505,8 @@ class MoE(torch.nn.Module):
             # it would read the buffers' uninitialized memory.
             raise InvalidArgument("MoE.forward: the weights were never loaded (load_weights or "
                                   "load_state_dict)")
-        # Why a plain attribute first: reading a buffer goes through nn.Module.__getattr__.
-        if not return_expert_counts and not self._counting:
+        # Why _buffers: reading the buffer as an attribute goes through nn.Module.__getattr__.
+        if not return_expert_counts and self._buffers.get("expert_counts_total") is None:
             if _plain_eager(x):
                 return self._bound.forward(x, topk_idx, topk_weights, self.path)
             return _OP(x, topk_idx, topk_weights, self.layer_key, self.path)

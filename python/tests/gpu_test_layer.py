@@ -272,6 +272,12 @@ def check_layer(res, cfg, rank, world, device, paths):
             err = rel_err(y, ref) if t_count else 0.0
             res.record(f"forward path={path} T={t_count} ({tag})", finite and err <= tol,
                        f"rel_err={err:.2e} tol={tol:g} finite={finite}")
+            # What the call chose: its own path, or for "auto" the megakernel at these sizes
+            # (<= 512 tokens) unless the fused path, run before, was unsupported here.
+            fused_ok = "fused" in ok_paths or "fused" not in paths
+            want = path if path != "auto" else ("fused" if fused_ok else "pipeline")
+            res.record(f"last_path after path={path} T={t_count} ({tag})", layer.last_path == want,
+                       f"last_path={layer.last_path} expected {want}")
 
         if unsupported:
             continue
@@ -657,7 +663,7 @@ def run(rank, world, local_rank, timeout):
     if rank == 0:
         print(f"epmoe {epmoe.version()} from {epmoe.library_path()}, NCCL code "
               f"{epmoe.nccl_version()}, torch {torch.__version__}, {world} ranks", flush=True)
-    paths = [p for p in os.environ.get("EPMOE_TEST_PATHS", "pipeline,fused").split(",") if p]
+    paths = [p for p in os.environ.get("EPMOE_TEST_PATHS", "pipeline,fused,auto").split(",") if p]
     configs = [
         dict(dtype="fp8", num_experts=4 * world, hidden=512, intermediate=256, topk=4,
              max_tokens_per_rank=96),

@@ -542,6 +542,13 @@ def test_forward_args_struct_matches_the_library():
     t.start()
     t.join()
     assert other and other[0] != address  # another thread fills its own struct
+    # The offsets c_api.cpp static_asserts, in both Python mirrors: ForwardArgsC and the pack format.
+    offsets = dict(x=0, topk_idx=8, topk_weights=16, y=24, expert_counts=32, expert_counts_total=40,
+                   stream=48, num_tokens=56, idx_type=64, path=68)
+    assert {f: getattr(_lib.ForwardArgsC, f).offset for f, _ in _lib.ForwardArgsC._fields_} == offsets
+    import struct
+    assert _lib._FORWARD_ARGS.format == "=7Qq2i"  # 7 pointers, then num_tokens, idx_type, path
+    assert [struct.calcsize("=" + p) for p in ("7Q", "7Qq", "7Qqi")] == [56, 64, 68]
     # pack_into's layout is ForwardArgsC's, field by field.
     pack(buf, 0, 0x10, 0x20, 0x30, 0x40, 0, 0x50, 7, 3, _lib.INDEX_INT64, _lib.PATH_AUTO)
     assert _lib.unpack_forward_args(0x1234, address) == (

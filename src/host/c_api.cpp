@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -29,8 +30,15 @@
 
 // The Python package mirrors the struct field by field (python/epmoe/_lib.py checks this size).
 static_assert(sizeof(epmoe_layer_config) == 56, "epmoe_layer_config changed: bump EPMOE_C_API_VERSION and _lib.py");
-// The Python package mirrors it too (python/epmoe/_lib.py, ForwardArgsC).
-static_assert(sizeof(epmoe_forward_args) == 72, "epmoe_forward_args changed: bump EPMOE_C_API_VERSION and _lib.py");
+// The Python package mirrors it too (python/epmoe/_lib.py: ForwardArgsC and the pack format "=7Qq2i",
+// whose offsets python/tests/test_cpu.py checks against these).
+static_assert(sizeof(epmoe_forward_args) == 72 && offsetof(epmoe_forward_args, x) == 0 &&
+                  offsetof(epmoe_forward_args, topk_idx) == 8 && offsetof(epmoe_forward_args, topk_weights) == 16 &&
+                  offsetof(epmoe_forward_args, y) == 24 && offsetof(epmoe_forward_args, expert_counts) == 32 &&
+                  offsetof(epmoe_forward_args, expert_counts_total) == 40 && offsetof(epmoe_forward_args, stream) == 48 &&
+                  offsetof(epmoe_forward_args, num_tokens) == 56 && offsetof(epmoe_forward_args, idx_type) == 64 &&
+                  offsetof(epmoe_forward_args, path) == 68,
+              "epmoe_forward_args changed: bump EPMOE_C_API_VERSION and _lib.py");
 static_assert(sizeof(ncclUniqueId) == EPMOE_UNIQUE_ID_BYTES, "EPMOE_UNIQUE_ID_BYTES != sizeof(ncclUniqueId)");
 static_assert(EPMOE_INVALID_ARGUMENT == int(epmoe::StatusCode::kInvalidArgument) &&
                   EPMOE_INTERNAL == int(epmoe::StatusCode::kInternal),

@@ -239,8 +239,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       return invalid("forward: expert_counts_total=", static_cast<const void*>(a.expert_counts_total),
                      " must be 8-byte aligned");
     if (!by_reference_ && !weights_loaded_) return invalid("forward: load_weights() has not been called");
-    if (path == Path::kAuto)
-      path = fused_status_.ok() && tuning(num_tokens).auto_fused ? Path::kFused : Path::kPipeline;
+    const heuristics::Tuning tuned = tuning(num_tokens);
+    if (path == Path::kAuto) path = fused_status_.ok() && tuned.auto_fused ? Path::kFused : Path::kPipeline;
     if (path == Path::kFused) {
       EPMOE_RETURN_IF_ERROR(fused_status_);
     }
@@ -278,7 +278,9 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       if (const Status st = check_routing_strict(topk_idx, a.idx_type, num_tokens, stream, capturing); !st.ok())
         return with_earlier(st);
     }
-    Status ran = run(x, topk_idx, a.idx_type, topk_weights, y, num_tokens, stream, path);
+    // The path this call runs, whatever happens next (last_path()).
+    chosen_path_ = path;
+    Status ran = run(x, topk_idx, a.idx_type, topk_weights, y, num_tokens, stream, path, tuned);
     // The expert counts: the pool's, written by this call's dispatch, copied (and summed) on the stream.
     if (ran.ok() && (a.expert_counts || a.expert_counts_total))
       ran = detail::cuda_status(kernels::launch_expert_counts(dispatch_->pool().expert_count, cfg_.experts_per_rank(),
@@ -295,7 +297,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   // The launches of one forward call (after its checks).
   Status run(const void* x, const void* topk_idx, IndexType idx_type, const float* topk_weights, void* y,
-             int64_t num_tokens, cudaStream_t stream, Path path) {
+             int64_t num_tokens, cudaStream_t stream, Path path, const heuristics::Tuning& t) {
     timing_error_ = Status::Ok();
     if (timing_) {
       const Status st = detail::cuda_status(cudaEventRecord(stage_events_[0], stream), "cudaEventRecord",
@@ -318,7 +320,6 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
           detail::DispatchAccess::dispatch_params(*dispatch_, x, topk_idx, idx_type, topk_weights, num_tokens);
       fp.l1 = plan_l1_.params;
       fp.l2 = plan_l2_.params;
-      const heuristics::Tuning t = tuning(num_tokens);
       fp.l1.weights_evict_first = fp.l2.weights_evict_first = t.weights_evict_first ? 1 : 0;
       fp.combine = detail::DispatchAccess::combine_params(*dispatch_, y);
       fp.combine.defer_done = 1;  // the next call's dispatch releases them (forward serializes calls)
@@ -362,7 +363,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
     // From here on every peer waits for this rank's combine: an error no longer returns early.
     // It is kept, combine still runs (y is then undefined), and the first one is returned.
     record(1, stream);
-    const bool evict_first = tuning(num_tokens).weights_evict_first;
+    const bool evict_first = t.weights_evict_first;
     Status st = gemm::launch(plan_l1_, stream, evict_first);
     record(2, stream);
     if (st.ok()) st = gemm::launch(plan_l2_, stream, evict_first);
@@ -420,7 +421,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   }
 
   const LayerConfig& config() const override { return cfg_; }
-  Path last_path() const override { return last_path_; }
+  Path last_path() const override { return chosen_path_; }
 
   // detail::LayerInternals: for the benchmark and tests.
   void set_stage_timing(bool on) override {
@@ -489,7 +490,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
   cudaEvent_t stage_events_[5] = {};
   std::vector<int32_t> routing_host_;  // strict mode's host copy of the routing
   DeviceBuffer phase_ts_;           // the megakernel's phase stamps (stage timing of Path::kFused)
-  Path last_path_ = Path::kPipeline;
+  Path last_path_ = Path::kPipeline;  // how the stage events of the last call are to be read
+  Path chosen_path_ = Path::kPipeline;  // the path the last call (past its argument checks) chose
   gemm::GemmPlan plan_l1_, plan_l2_;  // built in init() for comm_->device()
   Status fused_status_;               // why Path::kFused cannot run, or Ok
   int fused_grid_ = 0;                // cooperative grid of the megakernel
