@@ -558,3 +558,12 @@ def test_forward_args_struct_matches_the_library():
         _lib.call("epmoe_layer_forward_args", None, address)
     with pytest.raises(epmoe.InvalidArgument, match="args is null"):
         _lib.call("epmoe_layer_forward_args", None, None)
+
+
+def test_last_path_c_function_rejects_bad_arguments():
+    import ctypes
+    code = ctypes.c_int(-1)
+    with pytest.raises(epmoe.InvalidArgument, match="layer"):
+        _lib.call("epmoe_layer_last_path", None, ctypes.byref(code))
+    assert code.value == -1  # nothing written on an error
+    assert _lib.PATH_AUTO == 2 and _lib.lib().epmoe_c_api_version() == 5
