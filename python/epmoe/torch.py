@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from . import _lib
+from ._checks import choice_arg
 from ._errors import InvalidArgument
 from .layer import Layer, LayerConfig
 from .weights import transform_w13
@@ -118,8 +119,7 @@ class _Bound:
         if self.layer._handle is None:
             raise InvalidArgument(f"epmoe::moe_forward: the layer registered as {self.key} was "
                                   f"closed")
-        if path not in _PATHS:
-            raise InvalidArgument(f"path={path!r} must be one of 'auto', 'pipeline', 'fused'")
+        choice_arg("path", path, _PATHS)
         dev = self.device_index
         t = x.shape[0] if x.dim() == 2 else None
         specs = (("x", x, (_BF16,), (None, self.hidden), ("T", "hidden")),
@@ -383,8 +383,7 @@ class MoE(torch.nn.Module):
                  path: str = "auto", workspace: Workspace | None = None,
                  count_experts: bool = False):
         super().__init__()
-        if path not in _PATHS:
-            raise InvalidArgument(f"path={path!r} must be one of 'auto', 'pipeline', 'fused'")
+        choice_arg("path", path, _PATHS)
         if not isinstance(count_experts, bool):
             raise InvalidArgument(f"count_experts must be a bool, got {count_experts!r}")
         options = dict(pow2_scales=pow2_scales, combine_partials=combine_partials,
