@@ -3,7 +3,8 @@
 // mainloop's own cost (wgmma issue, drains, fp32 promotion) from the memory feed.
 //
 // Built with the project as epmoe-wgmma-probe (tools/stage_gpu.sh copies it to .gpu/bin).
-// Run (GPU): epmoe-wgmma-probe [k_blocks]   (default 4000 K blocks per warpgroup)
+// Run (GPU): epmoe-wgmma-probe [k_blocks [--fed]]   (default 4000 K blocks per warpgroup; --fed:
+// the fed variants 9, 10, 16, 15, 14 and the unfed 0 and 4, two rounds)
 //
 // Variants (2 math warpgroups of 64 rows each unless said; FLOPs counted for what is computed):
 //   0 halves     : 64x256 per warpgroup as two N halves of 128, each 4 x m64n128k32 -> scratch,
@@ -27,6 +28,11 @@
 //  13 3wg n128+feed: variant 12 fed like variant 9 (5 stages of 40.75 KB: A 24 KB + B 16 KB + scales)
 //  14 n128 dbuf+feed: variant 2 (two warpgroups of 64x128, two scratches) fed like variant 9
 //                  (6 stages of 32.5 KB), each stage released after its K block's wait
+//  15 n192+feed    : variant 4 (DeepGEMM's structure: a 128 x 192 tile, one drain per K block) fed
+//                  like variant 9 (5 stages of 40.5 KB), each stage released before its promotion
+//  16 regA late+feed: variant 10 with the next K block's A loaded right after the second half's
+//                  wait, so that the ldmatrix latency runs under that half's promotion instead of
+//                  in front of the next batch
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -151,7 +157,7 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
     float* sa = reinterpret_cast<float*>(smem + s * kStageBytes + kABytes + kBBytes);
     for (int i = threadIdx.x; i < 128; i += blockDim.x) sa[i] = 1.0f + 1e-3f * i;
   }
-  constexpr bool kFeed = V == 9 || V == 10;
+  constexpr bool kFeed = V == 9 || V == 10 || V == 16;
   constexpr bool kRegA = V == 10 || V == 11;
   const uint32_t bars = smem_u32(smem + kStages * kStageBytes);  // full[kStages], empty[kStages]
   if (kFeed && threadIdx.x == 0) {
@@ -238,6 +244,51 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
         if (kFeed && h == 1) {
           __syncwarp();
           if (lane == 0) asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bars + 8 * (kStages + s)) : "memory");
+        }
+        promote<64>(acc + 64 * h, tmp, s0, s1);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 128; ++i) result += acc[i];
+  } else if constexpr (V == 16) {
+    float acc[128], tmp[64];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    // This warp's 16 rows x 128 bytes of A, as the m64k32 fragments of the four k steps (variant 10).
+    const int arow = mw * 64 + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+    uint32_t a[4][4];
+    auto load_a = [&](int kb) {
+      const uint32_t st = smem_u32(smem + (kb % kStages) * kStageBytes);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int chunk = 2 * k + (lane >> 4);
+        ldmatrix_x4(st + uint32_t(arow * 128 + ((chunk ^ (arow & 7)) * 16)), a[k]);
+      }
+    };
+    wait_parity(bars, 0u);
+    load_a(0);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = kb % kStages;
+      uint8_t* st = smem + s * kStageBytes;
+      const float* sa = reinterpret_cast<const float*>(st + kABytes + kBBytes);
+      const float s0 = sa[r0] * sb, s1 = sa[r0 + 8] * sb;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint64_t db = desc(st + kABytes + h * 128 * 128);
+        fence_regs(tmp);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3_rs(tmp, a[k], db + 2 * k, k > 0);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(tmp);
+        if (h == 1) {
+          __syncwarp();
+          if (lane == 0) asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bars + 8 * (kStages + s)) : "memory");
+          if (kb + 1 < k_blocks) {
+            wait_parity(bars + 8 * ((kb + 1) % kStages), uint32_t((kb + 1) / kStages) & 1u);
+            load_a(kb + 1);
+          }
         }
         promote<64>(acc + 64 * h, tmp, s0, s1);
       }
@@ -374,9 +425,10 @@ __global__ void __launch_bounds__(384, 1) probe_kernel(int k_blocks, float* out,
 // kWgs math warpgroups of 64 rows each, all reading the same 128-row B tile.
 template <int V>
 struct Ring {
-  static constexpr int kWgs = V == 14 ? 2 : 3;
+  static constexpr int kWgs = V == 14 || V == 15 ? 2 : 3;
   static constexpr int kA = kWgs * 64 * 128;
-  static constexpr int kB = 128 * 128;
+  static constexpr int kN = V == 15 ? 192 : 128;
+  static constexpr int kB = kN * 128;
   static constexpr int kStage = kA + kB + 4 * kWgs * 64;
   static constexpr int kSt = V == 14 ? 6 : 5;
   static constexpr int kSmem = kSt * kStage + 2 * kSt * 8 + 1024;
@@ -478,6 +530,28 @@ __global__ void __launch_bounds__(Ring<V>::kThreads, 1) probe_ring_kernel(int k_
     }
 #pragma unroll
     for (int i = 0; i < 64; ++i) result += acc[i];
+  } else if constexpr (V == 15) {
+    float acc[96], tmp[96];
+#pragma unroll
+    for (int i = 0; i < 96; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      acquire(kb);
+      uint8_t* st = smem + (kb % G::kSt) * G::kStage;
+      float s0, s1;
+      scales(kb, s0, s1);
+      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + G::kA);
+      fence_regs(tmp);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_m64n192k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(tmp);
+      release(kb);
+      promote<96>(acc, tmp, s0, s1);
+    }
+#pragma unroll
+    for (int i = 0; i < 96; ++i) result += acc[i];
   } else {
     float acc[64], t0r[64], t1r[64];
 #pragma unroll
@@ -554,7 +628,7 @@ template <int V>
 void run_ring_variant(const char* name, int k_blocks, int sms, float* out, long long* cycles, const uint8_t* feed) {
   using G = Ring<V>;
   PROBE_CUDA(cudaFuncSetAttribute(probe_ring_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmem));
-  time_and_report(V, name, sms, 3 * sms, 2.0 * 64 * 128 * 128 * double(k_blocks) * G::kWgs * sms, cycles,
+  time_and_report(V, name, sms, 3 * sms, 2.0 * 64 * G::kN * 128 * double(k_blocks) * G::kWgs * sms, cycles,
                   [&] { probe_ring_kernel<V><<<sms, G::kThreads, G::kSmem>>>(k_blocks, out, cycles, feed); });
 }
 
@@ -584,6 +658,20 @@ int main(int argc, char** argv) {
     PROBE_CUDA(cudaMemcpy(feed, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
   }
   std::printf("wgmma probe: %d SMs, %d K blocks of 128 per warpgroup, operands in smem\n", sms, k_blocks);
+  if (argc > 2 && std::strcmp(argv[2], "--fed") == 0) {
+    // The fed structures only, twice each in turns (the GEMM's halves, A from registers early and
+    // late, DeepGEMM's n192 tile, the n128 two-scratch tile).
+    for (int round = 0; round < 2; ++round) {
+      run_variant<9>("halves+feed", k_blocks, sms, out, cycles, feed);
+      run_variant<10>("regA+feed", k_blocks, sms, out, cycles, feed);
+      run_variant<16>("regA late+feed", k_blocks, sms, out, cycles, feed);
+      run_ring_variant<15>("n192+feed", k_blocks, sms, out, cycles, feed);
+      run_ring_variant<14>("n128 dbuf+feed", k_blocks, sms, out, cycles, feed);
+      run_variant<0>("halves", k_blocks, sms, out, cycles, feed);
+      run_variant<4>("n192 1drain", k_blocks, sms, out, cycles, feed);
+    }
+    return 0;
+  }
   run_variant<5>("n256 nopromo", k_blocks, sms, out, cycles, feed);
   run_variant<0>("halves", k_blocks, sms, out, cycles, feed);
   run_variant<1>("halves 1wg", k_blocks, sms, out, cycles, feed);
