@@ -128,6 +128,8 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
   EPMOE_RETURN_IF_ERROR(current_sm90_device(&plan.device, &plan.grid));
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a, a, fp8, g.max_rows, k, k, kBlockM,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations"));
+  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_a64, a, fp8, g.max_rows, k, k, kBlockM / 2,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations (64-row boxes)"));
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, kBlockN,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights"));
   if (stage != GemmStage::kL1)
@@ -253,10 +255,10 @@ Status launch(const GemmPlan& plan, cudaStream_t stream, bool weights_evict_firs
   const GemmStage stage = plan.l1 ? GemmStage::kL1 : GemmStage::kL2;
   GroupedGemmParams params = plan.params;
   params.weights_evict_first = weights_evict_first ? 1 : 0;
-  EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_b, plan.map_d,
-                                                                     params, plan.grid, stream)
-                             : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_b, plan.map_d,
-                                                                      params, plan.grid, stream));
+  EPMOE_CUDA_RETURN(plan.fp8 ? detail::launch_sm90_grouped_gemm_fp8(stage, plan.map_a, plan.map_a64, plan.map_b,
+                                                                     plan.map_d, params, plan.grid, stream)
+                             : detail::launch_sm90_grouped_gemm_bf16(stage, plan.map_a, plan.map_a64, plan.map_b,
+                                                                      plan.map_d, params, plan.grid, stream));
   return Status::Ok();
 }
 

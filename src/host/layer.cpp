@@ -335,8 +335,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
         if (!z.ok()) return timing_failed(z);
         fp.phase_ts = static_cast<unsigned long long*>(phase_ts_.ptr);
       }
-      const fused::FusedMoeMaps maps{plan_l1_.map_a, plan_l1_.map_b, plan_l2_.map_a,
-                                     plan_l2_.map_b, plan_l1_.map_d, plan_l2_.map_d};
+      const fused::FusedMoeMaps maps{plan_l1_.map_a,  plan_l1_.map_b,   plan_l2_.map_a,  plan_l2_.map_b,
+                                     plan_l1_.map_d,  plan_l2_.map_d,   plan_l1_.map_a64, plan_l2_.map_a64};
       const bool deferred = t.fused_deferred_epilogue;
       const cudaError_t e = cfg_.dtype == DType::kFP8
                                 ? fused::launch_sm90_fused_moe_fp8(maps, fp, deferred, fused_grid_, stream)

@@ -22,6 +22,11 @@ struct Sm90TmaProducer {
   using Pipe = pipeline::TmaPipeline<kStages>;
   const CUtensorMap* tmap_a;
   const CUtensorMap* tmap_b;
+  // The activations with a 64-row box: a tile of at most 64 valid rows loads only its first 64 A
+  // rows. Why that is enough: the second math warpgroup skips such a tile (sm90_math_tiles: idle),
+  // so rows 64-127 of the stage are never read; the 128-byte swizzle repeats every 8 rows, so the
+  // 64 rows land where the 128-row box puts them.
+  const CUtensorMap* tmap_a64;
   const GroupedGemmParams* p;
   Pipe pipe;
   uint8_t* smem;
@@ -67,6 +72,7 @@ struct Sm90TmaProducer {
     // Test builds: the stall hook issues nothing, so this block's consumers time out.
     if (pipeline::watchdog_stall()) return;
     ptx::prefetch_tensormap(tmap_a);
+    ptx::prefetch_tensormap(tmap_a64);
     ptx::prefetch_tensormap(tmap_b);
     const int num_k_blocks = p->k / kBlockK;
     scheduler::GemmTile tile;
@@ -88,7 +94,7 @@ struct Sm90TmaProducer {
           for (int j = 0; j < ahead; ++j, ++s) {
             uint64_t* full = pipe.producer_barrier(s);
             store_weight_scales(tile, j, s.index);
-            ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes - Layout::kTileB);
+            ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes - Layout::kTileB - a_bytes_skipped(tile));
             issue_a(tile, j, full, s.index);
           }
         } else {
@@ -149,11 +155,11 @@ struct Sm90TmaProducer {
     if constexpr (kFp8) {
       acquire_stage();
       full = pipe.producer_barrier(st);
-      ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTxBytes);
+      ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTxBytes - a_bytes_skipped(tile));
     } else {
-      full = take_stage();
+      full = take_stage(Layout::kTxBytes - a_bytes_skipped(tile));
     }
-    ptx::tma_load_2d(smem + Layout::a_offset(st.index), tmap_a, full, kb * kBlockK, tile.row0);
+    ptx::tma_load_2d(smem + Layout::a_offset(st.index), map_a(tile), full, kb * kBlockK, tile.row0);
     load_b(tile, kb, full, st.index);
     if constexpr (kFp8) {
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(st.index), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
@@ -201,11 +207,17 @@ struct Sm90TmaProducer {
     load_b(tile, kb, full, st.index);
     ++st;
   }
-  __device__ uint64_t* take_stage() {
+  __device__ uint64_t* take_stage(uint32_t bytes) {
     acquire_stage();
     uint64_t* full = pipe.producer_barrier(st);
-    ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes);
+    ptx::mbarrier_arrive_expect_tx_release_cta(full, bytes);
     return full;
+  }
+  // The A box of a tile and the A bytes its stages do not carry (see tmap_a64).
+  __device__ static bool half_a(const scheduler::GemmTile& tile) { return tile.rows_valid <= Scheduler::kTileM / 2; }
+  __device__ const CUtensorMap* map_a(const scheduler::GemmTile& tile) const { return half_a(tile) ? tmap_a64 : tmap_a; }
+  __device__ static uint32_t a_bytes_skipped(const scheduler::GemmTile& tile) {
+    return half_a(tile) ? Layout::kTileA / 2 : 0u;
   }
   // The block's next tile, once per tile at K block claim_kb (see run). Exactly one of issue and
   // issue_b sees each K block.
@@ -225,7 +237,7 @@ struct Sm90TmaProducer {
   }
   __device__ static uint32_t smem_s() { return dyn_smem_base_s(); }
   __device__ void issue_a(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
-    ptx::tma_load_2d(smem + Layout::a_offset(stage), tmap_a, full, kb * kBlockK, tile.row0);
+    ptx::tma_load_2d(smem + Layout::a_offset(stage), map_a(tile), full, kb * kBlockK, tile.row0);
     if constexpr (kFp8)
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(stage), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
                          Layout::kScaleA, full);

@@ -56,6 +56,7 @@ cudaError_t configure_sm90_fused_moe_bf16(int device, int* grid);
 // epilogues store them (d1 is read only by the FP8 kernel: the fused BF16 L1 stores inline).
 struct FusedMoeMaps {
   CUtensorMap a1, b1, a2, b2, d1, d2;
+  CUtensorMap a1_64, a2_64;  // a1 / a2 with 64-row boxes (tiles of at most 64 rows; GemmPlan::map_a64)
 };
 
 // One cooperative cudaLaunchKernelEx; returns its result and makes no other CUDA call.

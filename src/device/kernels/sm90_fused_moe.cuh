@@ -137,8 +137,9 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // tiles, then its deferred L2 tiles, in the order the math warpgroups stage them; it adds the
 // L1 tiles' readiness counts itself once their TMA stores completed.
 template <class L1, class L2>
-__device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CUtensorMap* b1, const CUtensorMap* d1,
-                                                 const gemm::GroupedGemmParams& p1, const CUtensorMap* a2,
+__device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CUtensorMap* a1_64, const CUtensorMap* b1,
+                                                 const CUtensorMap* d1, const gemm::GroupedGemmParams& p1,
+                                                 const CUtensorMap* a2, const CUtensorMap* a2_64,
                                                  const CUtensorMap* b2, const CUtensorMap* d2,
                                                  const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
@@ -158,10 +159,10 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
     if (threadIdx.x == 0) {
       // An L1 tile's rows are loaded once the dispatch's pullers wrote all of them (arrive[m-block]
       // = valid rows x pull slices); the producer fences the proxies after each acquire.
-      gemm::sm90_producer_tiles<L1>(a1, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first, from_slots,
+      gemm::sm90_producer_tiles<L1>(a1, a1_64, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first, from_slots,
                                     claim);
       diag::trace(diag::kFusedProdL1);
-      gemm::sm90_producer_tiles<L2>(a2, b2, p2, pipe, smem, st, ready, target, 0u, b_first, from_slots,
+      gemm::sm90_producer_tiles<L2>(a2, a2_64, b2, p2, pipe, smem, st, ready, target, 0u, b_first, from_slots,
                                     claim ? claim + 1 : nullptr);
       diag::trace(diag::kFusedProdL2);
     }
@@ -205,6 +206,7 @@ template <bool kFp8, bool kDeferred>
 __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     sm90_fused_moe_kernel(const __grid_constant__ CUtensorMap map_a1, const __grid_constant__ CUtensorMap map_b1,
                           const __grid_constant__ CUtensorMap map_a2, const __grid_constant__ CUtensorMap map_b2,
+                          const __grid_constant__ CUtensorMap map_a1_64, const __grid_constant__ CUtensorMap map_a2_64,
                           const __grid_constant__ CUtensorMap map_d1, const __grid_constant__ CUtensorMap map_d2,
                           const __grid_constant__ FusedMoeParams p) {
   using Cfg = FusedMoeConfig<kFp8, kDeferred>;
@@ -284,7 +286,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
 
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
-      &map_a1, &map_b1, &map_d1, p.l1, &map_a2, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
+      &map_a1, &map_a1_64, &map_b1, &map_d1, p.l1, &map_a2, &map_a2_64, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
       uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, p.b_first != 0,
       p.phase_ts);
   diag::trace(diag::kFusedGemm);

@@ -7,10 +7,10 @@ cudaError_t configure_sm90_grouped_gemm_fp8(GemmStage stage, int device) {
   return configure_stage<true>(stage, device);
 }
 
-cudaError_t launch_sm90_grouped_gemm_fp8(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b,
-                                         const CUtensorMap& map_d, const GroupedGemmParams& p, int grid,
-                                         cudaStream_t stream) {
-  return launch_stage<true>(stage, map_a, map_b, map_d, p, grid, stream);
+cudaError_t launch_sm90_grouped_gemm_fp8(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_a64,
+                                         const CUtensorMap& map_b, const CUtensorMap& map_d,
+                                         const GroupedGemmParams& p, int grid, cudaStream_t stream) {
+  return launch_stage<true>(stage, map_a, map_a64, map_b, map_d, p, grid, stream);
 }
 
 }  // namespace epmoe::gemm::detail

@@ -33,8 +33,8 @@ cudaError_t configure(int device) {
 }
 
 template <class Cfg>
-cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d, const GroupedGemmParams& p,
-                   int grid, cudaStream_t stream) {
+cudaError_t launch(const CUtensorMap& a, const CUtensorMap& a64, const CUtensorMap& b, const CUtensorMap& d,
+                   const GroupedGemmParams& p, int grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(kNumThreads);
@@ -42,7 +42,7 @@ cudaError_t launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap
   cfg.stream = stream;
   cfg.attrs = nullptr;
   cfg.numAttrs = 0;
-  return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_kernel<Cfg>, a, b, d, p);
+  return cudaLaunchKernelEx(&cfg, sm90_grouped_gemm_kernel<Cfg>, a, a64, b, d, p);
 }
 
 // Why 4 stages: 4 x 48.5 KB (FP8) or 4 x 48 KB (BF16) fills the 227 KB of smem.
@@ -57,10 +57,11 @@ cudaError_t configure_stage(GemmStage stage, int device) {
 }
 
 template <bool kFp8>
-cudaError_t launch_stage(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_d,
-                         const GroupedGemmParams& p, int grid, cudaStream_t stream) {
-  return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_b, map_d, p, grid, stream)
-                                 : launch<L2Config<kFp8>>(map_a, map_b, map_d, p, grid, stream);
+cudaError_t launch_stage(GemmStage stage, const CUtensorMap& map_a, const CUtensorMap& map_a64,
+                         const CUtensorMap& map_b, const CUtensorMap& map_d, const GroupedGemmParams& p, int grid,
+                         cudaStream_t stream) {
+  return stage == GemmStage::kL1 ? launch<L1Config<kFp8>>(map_a, map_a64, map_b, map_d, p, grid, stream)
+                                 : launch<L2Config<kFp8>>(map_a, map_a64, map_b, map_d, p, grid, stream);
 }
 
 }  // namespace epmoe::gemm::detail

@@ -117,14 +117,14 @@ __device__ __forceinline__ void fill_tile_tables_for(const GroupedGemmParams& p)
 
 // Thread 0 only, at the producer budget. `ready`/`target`: see Sm90TmaProducer::run.
 template <class Cfg>
-__device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                                    const GroupedGemmParams& p,
+__device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a64,
+                                                    const CUtensorMap* tmap_b, const GroupedGemmParams& p,
                                                     const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem,
                                                     typename Cfg::Mainloop::State& st,
                                                     const uint32_t* ready = nullptr, uint32_t target = 0,
                                                     uint32_t per_row = 0, bool b_first = false,
                                                     bool publish_tiles = false, uint32_t* claim = nullptr) {
-  typename Cfg::Producer producer{tmap_a, tmap_b, &p, pipe, smem, make_scheduler<Cfg>(p)};
+  typename Cfg::Producer producer{tmap_a, tmap_b, tmap_a64, &p, pipe, smem, make_scheduler<Cfg>(p)};
   producer.st = st;
   producer.run(ready, target, per_row, b_first, publish_tiles, claim);
   st = producer.st;
@@ -313,13 +313,14 @@ __device__ __forceinline__ void sm90_storer_tiles(const GroupedGemmParams& p, co
 // Why the timeout report after the math loop: a trap inside the 232-register region makes ptxas
 // allocate that whole region for the entry budget of 168 (measured: 58 spilled accumulator slots).
 template <class Cfg>
-__device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                                                        const CUtensorMap* tmap_d, const GroupedGemmParams& p,
+__device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_a, const CUtensorMap* tmap_a64,
+                                                        const CUtensorMap* tmap_b, const CUtensorMap* tmap_d,
+                                                        const GroupedGemmParams& p,
                                                         const typename Cfg::Mainloop::Pipe& pipe, uint8_t* smem) {
   typename Cfg::Mainloop::State st{};
   if (threadIdx.x / 128 == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0) sm90_producer_tiles<Cfg>(tmap_a, tmap_b, p, pipe, smem, st);
+    if (threadIdx.x == 0) sm90_producer_tiles<Cfg>(tmap_a, tmap_a64, tmap_b, p, pipe, smem, st);
     if constexpr (Cfg::kHasStorer) {
       if (threadIdx.x == 32) sm90_storer_tiles<Cfg>(p, tmap_d);
     }
@@ -335,8 +336,9 @@ __device__ __forceinline__ void sm90_grouped_gemm_tiles(const CUtensorMap* tmap_
 
 template <class Cfg>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                             const __grid_constant__ CUtensorMap tmap_d, const GroupedGemmParams p) {
+    sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_a64,
+                             const __grid_constant__ CUtensorMap tmap_b, const __grid_constant__ CUtensorMap tmap_d,
+                             const GroupedGemmParams p) {
   using Layout = typename Cfg::Layout;
   using Mainloop = typename Cfg::Mainloop;
   extern __shared__ uint8_t smem_raw[];
@@ -355,7 +357,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   // Its __syncthreads also publish the barriers' initialization.
   fill_tile_tables_for<Cfg>(p);
-  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_b, &tmap_d, p, pipe, smem);
+  sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_a64, &tmap_b, &tmap_d, p, pipe, smem);
 }
 
 }  // namespace epmoe::gemm
