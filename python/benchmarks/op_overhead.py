@@ -21,6 +21,8 @@ its parts:
   MoE module (int32)     the nn.Module around it (nn.Module.__call__ adds its hooks check)
   MoE module (int64)     the same with torch.topk's int64 indices (read as they are, no copy)
   epmoe.Layer(out=)      the DLPack path of epmoe.Layer.__call__, for comparison
+  ... [C++]              with --fast-path: the same call with epmoe.torch.load_fast_path()'s C++
+                         eager path (built first; the rows alternate with the Python path's)
 
 --cpu replaces the C call by a no-op and runs the CPU tensors through the same code, so the Python
 side can be measured and profiled (--profile: cProfile of the op rows) on a machine without a GPU.
@@ -207,17 +209,32 @@ def run_gpu(args) -> int:
         ("Layer(out=, stream=)", lambda: moe.layer(x, idx, w, out=out, path=args.path,
                                                    stream=torch.cuda.current_stream(dev))),
     ]
+    fast = None
+    if args.fast_path:
+        et.load_fast_path()
+        fast = bound.fast
+        if fast is None:
+            raise SystemExit("--fast-path: the C++ fast path loaded but is not bound to the layer")
+        fns = dict(rows_fns)
+        for _ in range(2):  # each row again, the Python path's and the C++ path's in turns
+            for name in ("MoE module (int32)", "MoE module (int64)", "epmoe op (int32)"):
+                rows_fns += [(name, fns[name]), (name + " [C++]", fns[name])]
     rows = []
     with torch.inference_mode():
         for name, fn in rows_fns:
+            bound.fast = fast if name.endswith("[C++]") else None
             rows.append((name, time_calls(fn, args.calls, args.repeats, sync), _P10[fn]))
+        bound.fast = fast
     moe.check_device_error()
     report(rows, f"host time per eager call, {torch.cuda.get_device_name(dev)}, R={world}, "
                  f"{args.dtype}, path={args.path}, T={t}, E={e}, H={h}, I={args.intermediate}, "
                  f"K={k}, torch {torch.__version__}", rank)
     if rank == 0:
         print(f"path taken on rank 0: {moe.layer.last_path}")
-        for name in ("MoE module (int32)", "MoE module (int64)", "epmoe op (int32)"):
+        names = ["MoE module (int32)", "MoE module (int64)", "epmoe op (int32)"]
+        if fast is not None:
+            names += [n + " [C++]" for n in names]
+        for name in names:
             us = {r[0]: r[1] for r in rows}[name]
             verdict = "meets" if us <= TARGET_US else "misses"
             print(f"{name}: {us:.2f} us per call, {verdict} the target of {TARGET_US:.0f} us")
@@ -232,6 +249,8 @@ def main() -> int:
     ap.add_argument("--pin", type=int, default=None, metavar="CORE",
                     help="pin the timing thread of local rank r to core CORE + 2 r (of those allowed)")
     ap.add_argument("--profile", action="store_true", help="with --cpu: cProfile the op calls")
+    ap.add_argument("--fast-path", action="store_true",
+                    help="also time the C++ eager path (epmoe.torch.load_fast_path: builds it first)")
     ap.add_argument("--calls", type=int, default=100, help="enqueues per timed batch")
     ap.add_argument("--repeats", type=int, default=20, help="timed batches (median reported)")
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")

@@ -16,6 +16,7 @@ See docs/PYTHON.md.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import weakref
@@ -30,7 +31,8 @@ from .layer import Layer, LayerConfig
 from .weights import transform_w13
 from .workspace import Workspace
 
-__all__ = ["MoE", "moe_forward", "register_layer", "unregister_layer", "registered_layer"]
+__all__ = ["MoE", "moe_forward", "register_layer", "unregister_layer", "registered_layer",
+           "load_fast_path", "fast_path_loaded"]
 
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 _forward_args = _lib.forward_args
@@ -44,7 +46,7 @@ class _Bound:
     costs a few attribute reads, one allocation and one C call (no DLPack, no ctypes lookups)."""
 
     __slots__ = ("layer", "key", "device_index", "hidden", "topk", "e_loc", "t_max", "c_forward",
-                 "raw_stream")
+                 "raw_stream", "fast")
 
     def __init__(self, layer: Layer, key: int):
         c = layer.config
@@ -58,11 +60,33 @@ class _Bound:
         # arguments costs ~1 us less than converting epmoe_layer_forward_ex's eleven.
         self.c_forward = _lib.lib().epmoe_layer_forward_args
         self.raw_stream = _raw_stream
+        self.fast = None
+        self.bind_fast()
+
+    def bind_fast(self) -> None:
+        """The C++ fast path's callable for this layer, once load_fast_path() has loaded it."""
+        ext = _fast_ext
+        # (A C function only: the CPU tests replace c_forward with a Python recorder.)
+        if ext is not None and isinstance(self.c_forward, ctypes._CFuncPtr):
+            fn = ctypes.cast(self.c_forward, ctypes.c_void_p).value
+            self.fast = ext.FastForward(fn, self.device_index, self.hidden, self.topk, self.t_max,
+                                        _lib.INDEX_INT32, _lib.INDEX_INT64)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 path: str, counts_ptr: int | None = None,
                 total_ptr: int | None = None) -> torch.Tensor:
         handle = self.layer._handle
+        fast = self.fast
+        if fast is not None and handle is not None:
+            code = _PATHS.get(path)
+            if code is not None:
+                # The same checks, allocation and call in C++; None: a check failed and nothing was
+                # done, so the checks below name the argument (load_fast_path).
+                r = fast(handle, x, topk_idx, topk_weights, code, counts_ptr or 0, total_ptr or 0)
+                if r is not None:
+                    if r[1]:
+                        _lib.check(r[1])
+                    return r[0]
         dev = self.device_index
         t = x.shape[0] if x.dim() == 2 else -1
         k = (t, self.topk)
@@ -165,6 +189,45 @@ def _raw_stream(device: int) -> int:
 _registry: dict[int, _Bound] = {}
 _keys = itertools.count(1)
 _registry_lock = threading.Lock()
+
+# ---- the C++ fast path (optional) ----------------------------------------------------------------
+
+_fast_ext = None  # the extension module of csrc/torch_fast.cpp, once loaded
+
+
+def load_fast_path(*, build_directory: str | None = None, verbose: bool = False) -> None:
+    """Builds (once; torch.utils.cpp_extension caches the build) and loads epmoe's C++ eager path,
+    then makes every eager call of :class:`MoE` and :func:`moe_forward` go through it: the input
+    checks, the allocation of ``y`` and the library call in one C++ call instead of Python
+    (about half of an eager call's host time; docs/PYTHON.md). Results are the same bits, errors
+    the same messages (a failed check falls back to the Python checks, which name the argument).
+    ``torch.compile`` and CUDA graphs are unaffected: they capture the launches, not the host code.
+
+    Needs a C++ compiler and torch's headers (torch.utils.cpp_extension.load; ``CXX`` picks the
+    compiler) and takes about a minute the first time. Raises if the build fails; the Python path
+    then stays in use. ``EPMOE_TORCH_FAST_PATH=1`` in the environment calls this at import (a
+    failure then warns instead of raising)."""
+    global _fast_ext
+    if _fast_ext is not None:
+        return
+    import os
+    from torch.utils import cpp_extension
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_fast.cpp")
+    ext = cpp_extension.load(name="epmoe_torch_fast", sources=[src], extra_cflags=["-O2"],
+                             with_cuda=True, build_directory=build_directory, verbose=verbose)
+    if ext.ARGS_BYTES != ctypes.sizeof(_lib.ForwardArgsC):
+        raise RuntimeError(f"epmoe fast path: the extension's argument struct is {ext.ARGS_BYTES} "
+                           f"bytes, the library's {ctypes.sizeof(_lib.ForwardArgsC)} (a stale build "
+                           f"in {build_directory or 'torch_extensions'}?)")
+    with _registry_lock:
+        _fast_ext = ext
+        for b in _registry.values():
+            b.bind_fast()
+
+
+def fast_path_loaded() -> bool:
+    """Whether :func:`load_fast_path` has loaded the C++ eager path in this process."""
+    return _fast_ext is not None
 
 
 def register_layer(layer: Layer) -> int:
@@ -528,3 +591,19 @@ class MoE(torch.nn.Module):
         workspace can close). A CUDA graph that captured this module must not be replayed after."""
         self._unregister()
         self.layer.close()
+
+
+def _load_fast_path_from_env() -> None:
+    import os
+    import warnings
+    if os.environ.get("EPMOE_TORCH_FAST_PATH", "0") in ("", "0"):
+        return
+    try:
+        load_fast_path()
+    except Exception as e:  # the build's own error types vary; any failure keeps the Python path
+        warnings.warn(f"epmoe.torch: EPMOE_TORCH_FAST_PATH is set but the C++ fast path did not load "
+                      f"({type(e).__name__}: {e}); eager calls use the Python path", RuntimeWarning,
+                      stacklevel=2)
+
+
+_load_fast_path_from_env()

@@ -9,7 +9,8 @@ Checks, for an FP8 and a BF16 layer: eager output against the CPU float64 refere
 the same call: int64 against int32 topk_idx, the operator through torch's dispatcher against the
 module's direct eager path, torch.compile(fullgraph=True) (also at a second T, and with T = 0 on
 one rank), compile mode="reduce-overhead" (inductor's CUDA graphs), and a captured CUDA graph
-replayed on new inputs (int32 and int64). Then a two-block stack with a torch router (linear,
+replayed on new inputs (int32 and int64); with EPMOE_TORCH_FAST_PATH=1, the C++ eager path
+against the Python one (with and without expert counts). Then a two-block stack with a torch router (linear,
 softmax, topk) eager vs compiled vs graph-replayed; an FP8 and a BF16 MoE on one epmoe.Workspace
 (weights by reference) bitwise equal to the same modules on their own buffers, with their expert
 counts against the routing's histogram; compile-time and eager argument errors, and an
@@ -71,6 +72,18 @@ def check_moe(res, cfg, rank, world, device):
     res.record(f"{tag} eager vs reference T={t}", finite and err <= tol, f"rel_err={err:.2e}")
 
     res.record(f"{tag} int64 topk_idx == int32 (bitwise)", bitwise(moe(x, idx64, wts), y))
+    if et.fast_path_loaded():
+        # The C++ eager path (EPMOE_TORCH_FAST_PATH=1) against the Python one, same call.
+        fast, moe._bound.fast = moe._bound.fast, None
+        try:
+            slow = [moe(x, i, wts, return_expert_counts=True) for i in (idx, idx64)]
+        finally:
+            moe._bound.fast = fast
+        res.record(f"{tag} fast path bound", fast is not None)
+        for (ys, cs), i in zip(slow, (idx, idx64)):
+            yf, cf = moe(x, i, wts, return_expert_counts=True)
+            res.record(f"{tag} fast path == Python path ({i.dtype}, with counts; bitwise)",
+                       bitwise(yf, ys) and torch.equal(cf, cs) and bitwise(ys, y))
     res.record(f"{tag} torch.ops.epmoe.moe_forward == module (bitwise)",
                bitwise(torch.ops.epmoe.moe_forward(x, idx, wts, moe.layer_key), y))
     res.record(f"{tag} et.moe_forward(key, int64) == module (bitwise)",
@@ -293,7 +306,9 @@ def check_overhead(res, moe, cfg, rank, device):
         moe(x, idx, wts)
     us = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
-    res.record("host time per eager MoE call (info)", True, f"{us:.1f} us")
+    import epmoe.torch as et
+    res.record(f"host time per eager MoE call (info; C++ fast path "
+               f"{'on' if et.fast_path_loaded() else 'off'})", True, f"{us:.1f} us")
 
 
 def run(rank, world, local_rank, timeout):
@@ -310,6 +325,9 @@ def run(rank, world, local_rank, timeout):
     if rank == 0:
         print(f"epmoe {epmoe.version()} from {epmoe.library_path()}, torch {torch.__version__}, "
               f"{world} ranks", flush=True)
+    import os
+    if os.environ.get("EPMOE_TORCH_FAST_PATH", "0") not in ("", "0"):
+        res.record("EPMOE_TORCH_FAST_PATH: the C++ fast path loaded", epmoe.torch.fast_path_loaded())
     configs = [
         dict(dtype="fp8", num_experts=4 * world, hidden=512, intermediate=256, topk=4,
              max_tokens_per_rank=96),

@@ -230,6 +230,86 @@ def test_library_status_becomes_an_exception(bound, monkeypatch):
         et._moe_forward_cuda(*inputs(), bound.key)
 
 
+# ---- the C++ fast path (load_fast_path): its Python side, with a stand-in for the extension ----
+
+
+def test_fast_path_result_is_returned(bound):
+    """A call the fast path takes: its y comes back, and the Python path's C call is not made."""
+    x, idx, w = inputs(t=4, idx_dtype=torch.int64)
+    seen = []
+    y = torch.empty(4, 256, dtype=torch.bfloat16)
+    bound.b.fast = lambda *a: seen.append(a) or (y, 0)
+    assert et._moe_forward_cuda(x, idx, w, bound.key, "fused") is y
+    assert seen == [(0x1234, x, idx, w, _lib.PATH_FUSED, 0, 0)]
+    assert not bound.calls
+    # With expert counts: their addresses go in as they are.
+    got, c = bound.b.forward_counts(x, idx, w, "auto", True, None)
+    assert got is y and seen[-1][4:] == (_lib.PATH_AUTO, c.data_ptr(), 0)
+
+
+def test_fast_path_failed_check_falls_back_to_the_named_error(bound):
+    """None from the fast path: nothing was done there; the Python checks name the argument, and
+    arguments they accept take the Python path."""
+    bound.b.fast = lambda *a: None
+    x, idx, w = inputs(t=4)
+    with pytest.raises(epmoe.InvalidArgument, match="x must be bfloat16; got float32"):
+        et._moe_forward_cuda(x.float(), idx, w, bound.key)
+    assert not bound.calls
+    y = et._moe_forward_cuda(x, idx, w, bound.key)
+    (call,) = bound.calls
+    assert call[5] == y.data_ptr()
+
+
+def test_fast_path_skipped_for_an_unknown_path_or_a_closed_layer(bound):
+    bound.b.fast = lambda *a: pytest.fail("the fast path was called")
+    x, idx, w = inputs()
+    with pytest.raises(epmoe.InvalidArgument, match="path='fast' must be one of"):
+        et._moe_forward_cuda(x, idx, w, bound.key, "fast")
+    bound.layer._handle = None
+    with pytest.raises(epmoe.InvalidArgument, match="was closed"):
+        et._moe_forward_cuda(x, idx, w, bound.key)
+
+
+def test_fast_path_status_becomes_an_exception(bound, monkeypatch):
+    monkeypatch.setattr(_lib, "_lib", _lib.lib())
+    bound.b.fast = lambda *a: (torch.empty(0), 2)
+    with pytest.raises(epmoe.UnsupportedError):
+        et._moe_forward_cuda(*inputs(), bound.key)
+
+
+def test_fast_path_from_the_environment_warns_when_it_cannot_load(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def fail(**kw):
+        raise RuntimeError("no compiler here")
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    monkeypatch.setenv("EPMOE_TORCH_FAST_PATH", "1")
+    monkeypatch.setattr(et, "_fast_ext", None)
+    with pytest.warns(RuntimeWarning, match="did not load .RuntimeError: no compiler here.; eager calls use the Python path"):
+        et._load_fast_path_from_env()
+    assert not et.fast_path_loaded()
+    monkeypatch.setenv("EPMOE_TORCH_FAST_PATH", "0")
+    et._load_fast_path_from_env()  # off: not even tried
+
+
+@pytest.mark.skipif(os.environ.get("EPMOE_TEST_BUILD_FAST_PATH", "0") in ("", "0"),
+                    reason="builds a torch extension (~1 min); EPMOE_TEST_BUILD_FAST_PATH=1 runs it")
+def test_fast_path_builds_and_declines_host_tensors(bound, monkeypatch, tmp_path):
+    """The real extension (built here; TORCH_CUDA_ARCH_LIST must be set without a GPU): its
+    argument struct matches the library's, and host tensors are declined (None), not called."""
+    monkeypatch.setattr(et, "_fast_ext", None)
+    et.load_fast_path(build_directory=os.environ.get("EPMOE_FAST_PATH_BUILD_DIR", str(tmp_path)))
+    assert et.fast_path_loaded()
+    assert bound.b.fast is None  # its c_forward is the tests' recorder, not a C function
+    fn = ctypes.cast(_lib.lib().epmoe_layer_forward_args, ctypes.c_void_p).value
+    fast = et._fast_ext.FastForward(fn, -1, 256, 2, 64, _lib.INDEX_INT32, _lib.INDEX_INT64)
+    x, idx, w = inputs()
+    assert fast(0x1234, x, idx, w, _lib.PATH_AUTO, 0, 0) is None
+    bound.b.fast = fast
+    y = et._moe_forward_cuda(x, idx, w, bound.key)  # declined: the Python path, as before
+    assert bound.calls and bound.calls[-1][5] == y.data_ptr()
+
+
 def test_register_layer_arguments():
     with pytest.raises(epmoe.InvalidArgument, match="register_layer takes an epmoe.Layer"):
         et.register_layer("layer")
