@@ -293,7 +293,7 @@ def test_fast_path_from_the_environment_warns_when_it_cannot_load(monkeypatch):
 
 
 @pytest.mark.skipif(os.environ.get("EPMOE_TEST_BUILD_FAST_PATH", "0") in ("", "0"),
-                    reason="builds a torch extension (~1 min); EPMOE_TEST_BUILD_FAST_PATH=1 runs it")
+                    reason="builds a torch extension (~30-60 s); EPMOE_TEST_BUILD_FAST_PATH=1 runs it")
 def test_fast_path_builds_and_declines_host_tensors(bound, monkeypatch, tmp_path):
     """The real extension (built here; TORCH_CUDA_ARCH_LIST must be set without a GPU): its
     argument struct matches the library's, and host tensors are declined (None), not called."""

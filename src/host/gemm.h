@@ -89,8 +89,8 @@ struct GemmPlan {
 };
 
 // Arguments as for l1 / l2 below. Checks the arguments first (InvalidArgument, before any CUDA
-// call), then needs an sm_90 device current (Unsupported otherwise), encodes the tensor maps (A,
-// B; L2 also its output pool) and sets the kernel's shared-memory attribute on that device. *out
+// call), then needs an sm_90 device current (Unsupported otherwise), encodes the tensor maps (A
+// with 128- and 64-row boxes, B; L2 also its output pool) and sets the kernel's shared-memory attribute on that device. *out
 // is written only on success.
 Status plan_l1(DType dtype, const GroupedArgs& args, const void* x, const float* x_scale, const void* w1,
                const float* w1_scale, const float* row_weight, int hidden, int inter, float clamp,

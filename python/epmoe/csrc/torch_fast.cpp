@@ -5,8 +5,9 @@
 // Python side passes in once (so this module links nothing of epmoe).
 //
 // Why: the same steps in Python (a chain of tensor attribute reads, torch.empty, a struct packed
-// with struct.pack_into, a ctypes call) cost ~8 us of a ~15 us eager module call on a quiet host
-// (docs/BENCHMARKS.md, "Host time per eager call"); here they cost a pybind11 call.
+// with struct.pack_into, a ctypes call) cost 3.4-5 us more per eager module call than this one
+// pybind11 call (~14-15 against ~10-11 us on a quiet host; docs/BENCHMARKS.md, "Host time per
+// eager call").
 //
 // What it checks is what _Bound.forward checks (python/epmoe/torch.py), on the same values. Any
 // failed check returns None and does nothing (no allocation, no call): the caller then runs its
@@ -20,7 +21,7 @@
 namespace {
 
 // include/epmoe/c_api.h's epmoe_forward_args, field for field (c_api.cpp static_asserts its
-// offsets; the Python side checks this module's layout version against them).
+// offsets; the Python side checks this struct's size, ARGS_BYTES, against _lib.ForwardArgsC).
 struct ForwardArgs {
   const void* x;
   const void* topk_idx;

@@ -10,8 +10,8 @@
 
 namespace epmoe::fused {
 
-// Everything one fused call needs besides the four tensor maps: the standalone kernels' params,
-// unchanged (built by the DispatchHandle and the GEMM plans), so both paths read the same buffers.
+// Everything one fused call needs besides its tensor maps (FusedMoeMaps): the standalone kernels'
+// params, unchanged (built by the DispatchHandle and the GEMM plans), so both paths read the same buffers.
 struct FusedMoeParams {
   comm::DispatchParams dispatch;
   gemm::GroupedGemmParams l1;
