@@ -1,6 +1,6 @@
-// libepmoe_gemm_ctypes.so: the FP8 grouped GEMM kernels (src/host/gemm.h) behind a small C
-// interface, so that python/benchmarks/gemm_vs_deepgemm.py can run them through ctypes on the same
-// torch tensors, in the same process and on the same stream as DeepGEMM. A benchmark helper: not
+// libepmoe_gemm_ctypes.so: the grouped GEMM kernels (src/host/gemm.h) behind a small C interface,
+// so that python/benchmarks/gemm_vs_deepgemm.py (FP8) and bf16_gemm_turns.py (BF16) can run them
+// through ctypes on the same torch tensors, in the same process and on the same stream as the peers. A benchmark helper: not
 // installed, not part of the library's API (include/epmoe/ has none of it).
 //
 // Conventions, as in include/epmoe/c_api.h: every function returns an epmoe::StatusCode value (0 is
@@ -131,6 +131,53 @@ EPMOE_GEMM_CTYPES_EXPORT int epmoe_gemm_ctypes_plan_l1(
                                         k, inter, clamp, pow2_scales != 0, a_out, a_scale_out, &plan));
     EPMOE_RETURN_IF_ERROR(gemm::prepare_w1(DType::kFP8, w1_user, w1_scale_user, w1_internal, w1_scale_internal,
                                            num_groups, inter, k, static_cast<cudaStream_t>(stream)));
+    return hand_out(plan, plan_out);
+  });
+}
+
+// The BF16 kernels (python/benchmarks/bf16_gemm_turns.py), same conventions: A bf16 [max_rows][k],
+// B bf16 [groups][n][k]; no scales. L2: out bf16 [max_rows][n].
+EPMOE_GEMM_CTYPES_EXPORT int epmoe_gemm_ctypes_plan_l2_bf16(int device, int num_groups, const int* expert_count,
+                                                            const int* expert_offset, int64_t max_rows, const void* a,
+                                                            const void* b, int n, int k, void* out,
+                                                            epmoe_gemm_ctypes_plan** plan_out) {
+  return guarded([&]() -> Status {
+    if (plan_out == nullptr) return invalid("plan_l2_bf16: plan_out is null");
+    if (n <= 0 || n % 128 != 0 || k <= 0 || k % 128 != 0)
+      return invalid("plan_l2_bf16: n=", n, " and k=", k, " must be positive multiples of 128");
+    if (a == nullptr || b == nullptr || out == nullptr)
+      return invalid("plan_l2_bf16: a, b and out must all be device pointers (one is null)");
+    const gemm::GroupedArgs args{num_groups, expert_count, expert_offset, max_rows, max_rows};
+    EPMOE_RETURN_IF_ERROR(use_device(device));
+    gemm::GemmPlan plan;
+    EPMOE_RETURN_IF_ERROR(gemm::plan_l2(DType::kBF16, args, a, nullptr, b, nullptr, k, n, out, &plan));
+    return hand_out(plan, plan_out);
+  });
+}
+
+// BF16 L1 (SwiGLU epilogue, bf16 output a_out [max_rows][I]) with n = 2I weight rows in the user
+// layout, copied by gemm::prepare_w1 on `stream` into w1_internal as plan_l1 does.
+EPMOE_GEMM_CTYPES_EXPORT int epmoe_gemm_ctypes_plan_l1_bf16(int device, int num_groups, const int* expert_count,
+                                                            const int* expert_offset, int64_t max_rows, const void* x,
+                                                            const void* w1_user, void* w1_internal,
+                                                            const float* row_weight, int n, int k, float clamp,
+                                                            void* a_out, void* stream,
+                                                            epmoe_gemm_ctypes_plan** plan_out) {
+  return guarded([&]() -> Status {
+    if (plan_out == nullptr) return invalid("plan_l1_bf16: plan_out is null");
+    if (n <= 0 || n % 256 != 0)
+      return invalid("plan_l1_bf16: n=", n, " (2I weight rows) must be a positive multiple of 256");
+    if (k <= 0 || k % 128 != 0) return invalid("plan_l1_bf16: k=", k, " must be a positive multiple of 128");
+    if (x == nullptr || w1_user == nullptr || w1_internal == nullptr || row_weight == nullptr || a_out == nullptr)
+      return invalid("plan_l1_bf16: every tensor argument must be a device pointer (one is null)");
+    const int inter = n / 2;
+    const gemm::GroupedArgs args{num_groups, expert_count, expert_offset, max_rows, max_rows};
+    EPMOE_RETURN_IF_ERROR(use_device(device));
+    gemm::GemmPlan plan;
+    EPMOE_RETURN_IF_ERROR(gemm::plan_l1(DType::kBF16, args, x, nullptr, w1_internal, nullptr, row_weight, k, inter,
+                                        clamp, false, a_out, nullptr, &plan));
+    EPMOE_RETURN_IF_ERROR(gemm::prepare_w1(DType::kBF16, w1_user, nullptr, w1_internal, nullptr, num_groups, inter, k,
+                                           static_cast<cudaStream_t>(stream)));
     return hand_out(plan, plan_out);
   });
 }

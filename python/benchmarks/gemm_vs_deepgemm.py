@@ -149,6 +149,13 @@ class GemmLib:
         lib.epmoe_gemm_ctypes_destroy.argtypes = [P]
         for f in ("plan_l2", "plan_l1", "launch", "destroy"):
             getattr(lib, "epmoe_gemm_ctypes_" + f).restype = Int
+        # The BF16 kernels (python/benchmarks/bf16_gemm_turns.py), in builds that have them.
+        self.has_bf16 = hasattr(lib, "epmoe_gemm_ctypes_plan_l2_bf16")
+        if self.has_bf16:
+            lib.epmoe_gemm_ctypes_plan_l2_bf16.argtypes = [Int, Int, P, P, L, P, P, Int, Int, P, ctypes.POINTER(P)]
+            lib.epmoe_gemm_ctypes_plan_l1_bf16.argtypes = [Int, Int, P, P, L, P, P, P, P, Int, Int, ctypes.c_float,
+                                                           P, P, ctypes.POINTER(P)]
+            lib.epmoe_gemm_ctypes_plan_l2_bf16.restype = lib.epmoe_gemm_ctypes_plan_l1_bf16.restype = Int
         self.lib = lib
         version = lib.epmoe_gemm_ctypes_version()
         if version != LIB_VERSION:
@@ -175,6 +182,20 @@ class GemmLib:
                                                        x_scale, w1, w1_scale, w1_internal, w1_scale_internal,
                                                        row_weight, n, k, clamp, pow2, a_out, a_scale_out, stream,
                                                        ctypes.byref(plan)), "plan_l1")
+        return plan
+
+    def plan_l2_bf16(self, device, groups, count, offset, max_rows, *, a, b, n, k, out):
+        plan = ctypes.c_void_p()
+        self._check(self.lib.epmoe_gemm_ctypes_plan_l2_bf16(device, groups, count, offset, max_rows, a, b, n, k, out,
+                                                            ctypes.byref(plan)), "plan_l2_bf16")
+        return plan
+
+    def plan_l1_bf16(self, device, groups, count, offset, max_rows, *, x, w1, w1_internal, row_weight, n, k, clamp,
+                     a_out, stream):
+        plan = ctypes.c_void_p()
+        self._check(self.lib.epmoe_gemm_ctypes_plan_l1_bf16(device, groups, count, offset, max_rows, x, w1,
+                                                            w1_internal, row_weight, n, k, clamp, a_out, stream,
+                                                            ctypes.byref(plan)), "plan_l1_bf16")
         return plan
 
     def launch(self, plan, stream: int, count: int):
