@@ -63,9 +63,10 @@ class _Bound:
         self.fast = None
         self.bind_fast()
 
-    def bind_fast(self) -> None:
-        """The C++ fast path's callable for this layer, once load_fast_path() has loaded it."""
-        ext = _fast_ext
+    def bind_fast(self, ext: Any = None) -> None:
+        """The C++ fast path's callable for this layer (`ext`: the extension being loaded, else the
+        loaded one, if any)."""
+        ext = ext if ext is not None else _fast_ext
         # (A C function only: the CPU tests replace c_forward with a Python recorder.)
         if ext is not None and isinstance(self.c_forward, ctypes._CFuncPtr):
             fn = ctypes.cast(self.c_forward, ctypes.c_void_p).value
@@ -193,6 +194,7 @@ _registry_lock = threading.Lock()
 # ---- the C++ fast path (optional) ----------------------------------------------------------------
 
 _fast_ext = None  # the extension module of csrc/torch_fast.cpp, once loaded
+_fast_lock = threading.Lock()  # one load at a time
 
 
 def load_fast_path(*, build_directory: str | None = None, verbose: bool = False) -> None:
@@ -204,26 +206,39 @@ def load_fast_path(*, build_directory: str | None = None, verbose: bool = False)
     argument). Calls through ``torch.compile`` and torch's dispatcher reach the same kernel
     function and take it too; CUDA graph replays run no host code.
 
-    Needs a C++ compiler and torch's headers (torch.utils.cpp_extension.load; ``CXX`` picks the
-    compiler) and takes ~30 s the first time. Raises if the build fails; the Python path
+    Needs what ``torch.utils.cpp_extension.load`` needs for a CUDA-aware C++ extension: a C++
+    compiler (``CXX`` picks it), ``ninja``, torch's headers and a CUDA toolkit (``CUDA_HOME``;
+    the extension includes ``cuda_runtime_api.h``); takes ~30 s the first time. Raises if the build fails; the Python path
     then stays in use. ``EPMOE_TORCH_FAST_PATH=1`` in the environment calls this at import (a
     failure then warns instead of raising)."""
     global _fast_ext
-    if _fast_ext is not None:
-        return
-    import os
-    from torch.utils import cpp_extension
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_fast.cpp")
-    ext = cpp_extension.load(name="epmoe_torch_fast", sources=[src], extra_cflags=["-O2"],
-                             with_cuda=True, build_directory=build_directory, verbose=verbose)
-    if ext.ARGS_BYTES != ctypes.sizeof(_lib.ForwardArgsC):
-        raise RuntimeError(f"epmoe fast path: the extension's argument struct is {ext.ARGS_BYTES} "
-                           f"bytes, the library's {ctypes.sizeof(_lib.ForwardArgsC)} (a stale build "
-                           f"in {build_directory or 'torch_extensions'}?)")
-    with _registry_lock:
-        _fast_ext = ext
-        for b in _registry.values():
-            b.bind_fast()
+    with _fast_lock:
+        if _fast_ext is not None:
+            return
+        import os
+        from torch.utils import cpp_extension
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_fast.cpp")
+        ext = cpp_extension.load(name="epmoe_torch_fast", sources=[src], extra_cflags=["-O2"],
+                                 with_cuda=True, build_directory=build_directory, verbose=verbose)
+        if ext.ARGS_BYTES != ctypes.sizeof(_lib.ForwardArgsC):
+            raise RuntimeError(f"epmoe fast path: the extension's argument struct is "
+                               f"{ext.ARGS_BYTES} bytes, the library's "
+                               f"{ctypes.sizeof(_lib.ForwardArgsC)} (a stale build in "
+                               f"{build_directory or 'torch_extensions'}?)")
+        with _registry_lock:
+            # Every registered layer is bound first; only then is the extension published (for
+            # layers registered later), so a failure here leaves the Python path everywhere.
+            for b in _registry.values():
+                b.fast = None
+            bound = list(_registry.values())
+            try:
+                for b in bound:
+                    b.bind_fast(ext)
+            except BaseException:
+                for b in bound:
+                    b.fast = None
+                raise
+            _fast_ext = ext
 
 
 def fast_path_loaded() -> bool:

@@ -305,6 +305,9 @@ def test_fast_path_builds_and_declines_host_tensors(bound, monkeypatch, tmp_path
     fast = et._fast_ext.FastForward(fn, -1, 256, 2, 64, _lib.INDEX_INT32, _lib.INDEX_INT64)
     x, idx, w = inputs()
     assert fast(0x1234, x, idx, w, _lib.PATH_AUTO, 0, 0) is None
+    # Not tensors, or not plain strided ones: declined too (the Python checks then name them).
+    assert fast(0x1234, x, None, w, _lib.PATH_AUTO, 0, 0) is None
+    assert fast(0x1234, x.to_sparse(), idx, w, _lib.PATH_AUTO, 0, 0) is None
     bound.b.fast = fast
     y = et._moe_forward_cuda(x, idx, w, bound.key)  # declined: the Python path, as before
     assert bound.calls and bound.calls[-1][5] == y.data_ptr()

@@ -14,6 +14,7 @@
 // own checks, which raise an error naming the argument. The library checks everything again
 // before it launches.
 #include <ATen/cuda/CUDAContext.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -41,9 +42,12 @@ static_assert(offsetof(ForwardArgs, stream) == 48 && offsetof(ForwardArgs, num_t
 
 using ForwardFn = int (*)(void* layer, const ForwardArgs* args);
 
+// A plain strided 2-D tensor (nested and sparse ones are declined before any size is read).
+bool plain_2d(const at::Tensor& v) { return !v.is_nested() && v.layout() == at::kStrided && v.dim() == 2; }
+
 bool ok_2d(const at::Tensor& v, at::ScalarType dtype, int64_t dev, int64_t rows, int64_t cols) {
-  return v.layout() == at::kStrided && v.scalar_type() == dtype && v.dim() == 2 && v.size(0) == rows &&
-         v.size(1) == cols && v.is_cuda() && v.get_device() == dev && v.is_contiguous();
+  return plain_2d(v) && v.scalar_type() == dtype && v.size(0) == rows && v.size(1) == cols && v.is_cuda() &&
+         v.get_device() == dev && v.is_contiguous();
 }
 
 // A layer's constants, bound once (epmoe.torch._Bound); the layer handle comes with each call, so a
@@ -64,35 +68,42 @@ class FastForward {
 
   // (y, status): status is epmoe_layer_forward_args's (nonzero: the caller raises); or None when a
   // check failed (nothing was done). counts / totals: device addresses or 0 (checked by the caller).
-  py::object call(int64_t layer, const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                  int64_t path, int64_t counts, int64_t totals) const {
-    if (layer == 0 || x.dim() != 2) return py::none();
-    const int64_t t = x.size(0);
-    const bool wide = topk_idx.scalar_type() == at::kLong;
-    if (t < 0 || t > t_max_ || !ok_2d(x, at::kBFloat16, device_, t, hidden_) ||
-        !ok_2d(topk_idx, wide ? at::kLong : at::kInt, device_, t, topk_) ||
-        !ok_2d(topk_weights, at::kFloat, device_, t, topk_))
+  // The tensors come as Python objects: anything that is not a tensor is declined here, not by
+  // pybind11's own TypeError, so that the caller's checks give their usual message.
+  py::object call(int64_t layer, py::handle x_obj, py::handle idx_obj, py::handle w_obj, int64_t path, int64_t counts,
+                  int64_t totals) const {
+    if (layer == 0 || !THPVariable_Check(x_obj.ptr()) || !THPVariable_Check(idx_obj.ptr()) ||
+        !THPVariable_Check(w_obj.ptr()))
       return py::none();
-    const void* xp = x.data_ptr();
-    if (reinterpret_cast<uintptr_t>(xp) % 16 != 0) return py::none();
+    const at::Tensor& x = THPVariable_Unpack(x_obj.ptr());
+    const at::Tensor& topk_idx = THPVariable_Unpack(idx_obj.ptr());
+    const at::Tensor& topk_weights = THPVariable_Unpack(w_obj.ptr());
+    ForwardArgs a;
     at::Tensor y;
     try {
+      // Any torch error on the way (a tensor without storage, out of memory in at::empty): nothing
+      // was launched, and the caller's own path raises torch's own error for it.
+      if (!plain_2d(x)) return py::none();
+      const int64_t t = x.size(0);
+      const bool wide = topk_idx.scalar_type() == at::kLong;
+      if (t > t_max_ || !ok_2d(x, at::kBFloat16, device_, t, hidden_) ||
+          !ok_2d(topk_idx, wide ? at::kLong : at::kInt, device_, t, topk_) ||
+          !ok_2d(topk_weights, at::kFloat, device_, t, topk_))
+        return py::none();
+      a.x = x.data_ptr();
+      if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return py::none();
       y = at::empty({t, hidden_}, x.options());
+      a.topk_idx = topk_idx.data_ptr();
+      a.topk_weights = topk_weights.data_ptr<float>();
+      a.num_tokens = t;
+      a.idx_type = wide ? idx_int64_ : idx_int32_;
     } catch (const c10::Error&) {
-      // Out of memory, say: the caller's own torch.empty raises it as torch does (torch's
-      // OutOfMemoryError rather than pybind11's RuntimeError).
       return py::none();
     }
-    ForwardArgs a;
-    a.x = xp;
-    a.topk_idx = topk_idx.data_ptr();
-    a.topk_weights = topk_weights.data_ptr<float>();
     a.y = y.data_ptr();
     a.expert_counts = reinterpret_cast<int32_t*>(static_cast<uintptr_t>(counts));
     a.expert_counts_total = reinterpret_cast<int64_t*>(static_cast<uintptr_t>(totals));
     a.stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
-    a.num_tokens = t;
-    a.idx_type = wide ? idx_int64_ : idx_int32_;
     a.path = int32_t(path);
     int status;
     {
