@@ -277,6 +277,10 @@ if [ "$mode" = validate ]; then
   done
   [ -n "$whl" ] && EPMOE_GPU_TEST=python/tests/gpu_test_torch.py step "torch_op_r$R" 240 \
     bash python/tests/gpu_run.sh --wheel "$whl" "$R"
+  # The same on the C++ eager path (epmoe.torch.load_fast_path, built first: ~30 s).
+  [ -n "$whl" ] && EPMOE_TORCH_FAST_PATH=1 CXX=/usr/bin/g++ CUDA_HOME=/usr/local/cuda \
+    EPMOE_GPU_TEST=python/tests/gpu_test_torch.py step "torch_op_fast_r$R" 300 \
+    bash python/tests/gpu_run.sh --wheel "$whl" "$R"
   EPMOE_TEST_RANKS=$R step "ranks${R}_faults" 300 "$bin/epmoe_mgpu_tests" --gtest_filter='LayerFaults.*:CollectiveChecks.*'
   EPMOE_TEST_RANKS=$R step "ranks${R}_e2e" 240 "$bin/epmoe_mgpu_tests" --gtest_filter="$e2e_subset"
   EPMOE_TEST_RANKS=$R step "ranks${R}_dispatch_combine" 120 "$bin/epmoe_mgpu_tests" \
@@ -499,6 +503,9 @@ if [ -n "$whl" ]; then
   # epmoe.torch (the operators, the module, modules on one workspace): compiling takes a while.
   EPMOE_GPU_TEST=python/tests/gpu_test_torch.py EPMOE_TEST_TIMEOUT=600 \
     step python_torch 700 /bin/bash python/tests/gpu_run.sh --wheel "$whl"
+  # The same on the C++ eager path (epmoe.torch.load_fast_path; the extension is built first).
+  EPMOE_TORCH_FAST_PATH=1 CXX=/usr/bin/g++ CUDA_HOME=/usr/local/cuda EPMOE_GPU_TEST=python/tests/gpu_test_torch.py \
+    EPMOE_TEST_TIMEOUT=600 step python_torch_fast 700 /bin/bash python/tests/gpu_run.sh --wheel "$whl"
 else
   step python_binding 150 /bin/bash python/tests/gpu_run.sh "$bin/libepmoe_c.so"
 fi
