@@ -226,6 +226,10 @@ if [ "$mode" = gemm-peer-turns ]; then
     step "gemm_turns_$data" "$limit" python3 python/benchmarks/gemm_vs_deepgemm.py --data "$data" \
       --lib "$bin/libepmoe_gemm_ctypes.so" --json "$out/gemm_turns_$data.json" ${EPMOE_TURNS_ARGS:-}
   done
+  # The BF16 kernels beside torch._grouped_mm (and DeepGEMM's bf16 GEMM), in turns (EPMOE_BF16_TURNS=0
+  # skips them).
+  [ "${EPMOE_BF16_TURNS:-1}" = 1 ] && step bf16_turns 240 python3 python/benchmarks/bf16_gemm_turns.py \
+    --lib "$bin/libepmoe_gemm_ctypes.so" --json "$out/bf16_turns.json"
   finish
 fi
 if [ "$mode" = single ]; then
