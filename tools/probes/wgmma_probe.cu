@@ -508,10 +508,12 @@ __global__ void __launch_bounds__(Ring<V>::kThreads, 1) probe_ring_kernel(int k_
     s1 = sa[r0 + 8] * sb;
   };
   const long long t0 = clock64();
-  if constexpr (V == 12 || V == 13) {
-    float acc[64], tmp[64];
+  if constexpr (V == 12 || V == 13 || V == 15) {
+    // One scratch and one drain per K block: 64 x 128 per warpgroup (12, 13) or 64 x 192 (15).
+    constexpr int kAcc = G::kN / 2;
+    float acc[kAcc], tmp[kAcc];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     for (int kb = 0; kb < k_blocks; ++kb) {
       acquire(kb);
       uint8_t* st = smem + (kb % G::kSt) * G::kStage;
@@ -521,37 +523,20 @@ __global__ void __launch_bounds__(Ring<V>::kThreads, 1) probe_ring_kernel(int k_
       fence_regs(tmp);
       wg_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_m64n128k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (G::kN == 192)
+          wgmma_m64n192k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+        else
+          wgmma_m64n128k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
+      }
       wg_commit();
       wg_wait<0>();
       fence_regs(tmp);
       release(kb);
-      promote<64>(acc, tmp, s0, s1);
+      promote<kAcc>(acc, tmp, s0, s1);
     }
 #pragma unroll
-    for (int i = 0; i < 64; ++i) result += acc[i];
-  } else if constexpr (V == 15) {
-    float acc[96], tmp[96];
-#pragma unroll
-    for (int i = 0; i < 96; ++i) acc[i] = 0.0f;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      acquire(kb);
-      uint8_t* st = smem + (kb % G::kSt) * G::kStage;
-      float s0, s1;
-      scales(kb, s0, s1);
-      const uint64_t da = desc(st + mw * 64 * 128), db = desc(st + G::kA);
-      fence_regs(tmp);
-      wg_fence();
-#pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_m64n192k32_e4m3(tmp, da + 2 * k, db + 2 * k, k > 0);
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(tmp);
-      release(kb);
-      promote<96>(acc, tmp, s0, s1);
-    }
-#pragma unroll
-    for (int i = 0; i < 96; ++i) result += acc[i];
+    for (int i = 0; i < kAcc; ++i) result += acc[i];
   } else {
     float acc[64], t0r[64], t1r[64];
 #pragma unroll
