@@ -208,8 +208,8 @@ def load_fast_path(*, build_directory: str | None = None, verbose: bool = False)
 
     Needs what ``torch.utils.cpp_extension.load`` needs for a CUDA-aware C++ extension: a C++
     compiler (``CXX`` picks it), ``ninja``, torch's headers and a CUDA toolkit (``CUDA_HOME``;
-    the extension includes ``cuda_runtime_api.h``); takes ~30 s the first time. Raises if the build fails; the Python path
-    then stays in use. ``EPMOE_TORCH_FAST_PATH=1`` in the environment calls this at import (a
+    the extension includes ``cuda_runtime_api.h``); takes ~30 s the first time. Raises if the
+    build fails; the Python path then stays in use. ``EPMOE_TORCH_FAST_PATH=1`` in the environment calls this at import (a
     failure then warns instead of raising)."""
     global _fast_ext
     with _fast_lock:
@@ -228,8 +228,6 @@ def load_fast_path(*, build_directory: str | None = None, verbose: bool = False)
         with _registry_lock:
             # Every registered layer is bound first; only then is the extension published (for
             # layers registered later), so a failure here leaves the Python path everywhere.
-            for b in _registry.values():
-                b.fast = None
             bound = list(_registry.values())
             try:
                 for b in bound:
