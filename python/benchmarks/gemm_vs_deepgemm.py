@@ -664,6 +664,13 @@ def time_in_turns(ctx, rec, sh, dg_call, plans):
             use_graph = False
     rec["graph"] = use_graph
     rec["iters"], rec["rounds"] = iters, args.rounds
+    if args.rounds % len(names):
+        # Why: the rotation gives each kernel every position only over len(names) rounds; with
+        # fewer, a kernel that always runs later in the turn reads faster or slower than its twin
+        # (measured on one H100: build b's unchanged L1 kernel 0.95-1.12x main's in three rounds of
+        # five kernels, median 1.03).
+        rec["notes"].append(f"WARNING: {args.rounds} rounds of {len(names)} kernels: not every kernel took every "
+                            f"position in the turns; use a multiple of {len(names)} rounds for A/B ratios")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ms = {n: [] for n in names}
     windows = {n: [] for n in names}
