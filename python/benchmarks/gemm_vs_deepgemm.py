@@ -665,10 +665,9 @@ def time_in_turns(ctx, rec, sh, dg_call, plans):
     rec["graph"] = use_graph
     rec["iters"], rec["rounds"] = iters, args.rounds
     if args.rounds % len(names):
-        # Why: the rotation gives each kernel every position only over len(names) rounds; with
-        # fewer, a kernel that always runs later in the turn reads faster or slower than its twin
-        # (measured on one H100: build b's unchanged L1 kernel 0.95-1.12x main's in three rounds of
-        # five kernels, median 1.03).
+        # Why: the rotation gives each kernel every position in the turns only over len(names)
+        # rounds (measured on one H100: build b's unchanged L1 kernel read 0.95-1.12x main's over
+        # three rounds of five kernels, 1.00-1.05x over five).
         rec["notes"].append(f"WARNING: {args.rounds} rounds of {len(names)} kernels: not every kernel took every "
                             f"position in the turns; use a multiple of {len(names)} rounds for A/B ratios")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
