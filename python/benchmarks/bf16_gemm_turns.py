@@ -156,8 +156,9 @@ def run_shape(torch, lib, sh, args, stream_ptr, deep_gemm, align) -> dict:
     if args.rounds % len(names):
         # Why: only a multiple of len(names) rounds puts every kernel in every position of the turns
         # (see gemm_vs_deepgemm.py).
-        print(f"WARNING: {args.rounds} rounds of {len(names)} kernels: positions in the turns not balanced; "
-              f"use a multiple of {len(names)} rounds", flush=True)
+        rec["warning"] = (f"{args.rounds} rounds of {len(names)} kernels: positions in the turns not balanced; "
+                          f"use a multiple of {len(names)} rounds")
+        print("WARNING: " + rec["warning"], flush=True)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for nm in order:
