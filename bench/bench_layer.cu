@@ -441,6 +441,8 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
       diag::dump_dispatch_trace(stdout);
       diag::dump_combine_trace(stdout);
       diag::dump_fused_trace(stdout);
+      diag::dump_gemm_tiles(stdout);
+      diag::dump_fused_tiles(stdout);
       std::fflush(stdout);
     }
   }

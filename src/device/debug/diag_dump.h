@@ -11,5 +11,9 @@ namespace epmoe::diag {
 void dump_dispatch_trace(std::FILE* out);  // the standalone dispatch kernel
 void dump_combine_trace(std::FILE* out);   // the standalone combine kernel
 void dump_fused_trace(std::FILE* out);     // the FP8 megakernel
+// Per-tile timelines (diag::g_tiles): the standalone FP8 GEMM kernels' last L1 and L2 calls, and
+// the FP8 megakernel's last call.
+void dump_gemm_tiles(std::FILE* out);
+void dump_fused_tiles(std::FILE* out);
 
 }  // namespace epmoe::diag

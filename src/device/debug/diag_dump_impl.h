@@ -64,6 +64,67 @@ inline void print_trace(std::FILE* out, const char* kernel, const unsigned long 
   }
 }
 
+// Tile rows: [2][kTraceBlocks][kTileSlots + 1][2] (start, mainloop end; slot kTileSlots: loop end).
+// Per GEMM: tiles, the mainloop's duration per tile, the gap from one mainloop's end to the next
+// tile's start (epilogue and handoff), the first start and the loop ends over blocks, in us after
+// the earliest first start of either GEMM; busy = mainloop time over the span it was spread across.
+inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long long* t) {
+  const auto at = [&](int g, int b, int s, int f) { return t[((size_t(g) * kTraceBlocks + b) * (kTileSlots + 1) + s) * 2 + f]; };
+  unsigned long long t0 = ~0ull;
+  for (int g = 0; g < 2; ++g)
+    for (int b = 0; b < kTraceBlocks; ++b)
+      if (at(g, b, 0, 0)) t0 = std::min(t0, at(g, b, 0, 0));
+  if (t0 == ~0ull) {
+    std::fprintf(out, "[tiles] %s: no tiles recorded\n", kernel);
+    return;
+  }
+  const auto q = [](std::vector<double> v, double f) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, size_t(f * double(v.size())))];
+  };
+  for (int g = 0; g < 2; ++g) {
+    std::vector<double> loop, gap, first, end;
+    double busy = 0, span_sum = 0;
+    int tiles = 0, blocks = 0;
+    for (int b = 0; b < kTraceBlocks; ++b) {
+      if (!at(g, b, 0, 0)) continue;
+      ++blocks;
+      int s = 0;
+      for (; s < kTileSlots && at(g, b, s, 0) && at(g, b, s, 1); ++s) {
+        ++tiles;
+        const double l = double(at(g, b, s, 1) - at(g, b, s, 0)) / 1e3;
+        loop.push_back(l);
+        busy += l;
+        if (s + 1 < kTileSlots && at(g, b, s + 1, 0)) gap.push_back(double(at(g, b, s + 1, 0) - at(g, b, s, 1)) / 1e3);
+      }
+      first.push_back(double(at(g, b, 0, 0) - t0) / 1e3);
+      if (at(g, b, kTileSlots, 0)) {
+        end.push_back(double(at(g, b, kTileSlots, 0) - t0) / 1e3);
+        span_sum += double(at(g, b, kTileSlots, 0) - at(g, b, 0, 0)) / 1e3;
+      }
+    }
+    std::fprintf(out,
+                 "[tiles] %s %s: %d tiles on %d blocks; mainloop per tile p10 / median / p90 %.2f / %.2f / %.2f us; "
+                 "gap to the next tile %.2f / %.2f / %.2f us; first start %.1f / %.1f / %.1f; loop end %.1f / %.1f / "
+                 "%.1f us; mainloops over the blocks' spans %.3f\n",
+                 kernel, g == 0 ? "L1" : "L2", tiles, blocks, q(loop, 0.1), q(loop, 0.5), q(loop, 0.9), q(gap, 0.1),
+                 q(gap, 0.5), q(gap, 0.9), q(first, 0.0), q(first, 0.5), q(first, 0.999), q(end, 0.0), q(end, 0.5),
+                 q(end, 0.999), span_sum > 0 ? busy / span_sum : 0.0);
+  }
+}
+
+template <class Symbol>
+inline void dump_tiles(std::FILE* out, const char* kernel, const Symbol& symbol) {
+  std::vector<unsigned long long> t(size_t(2) * kTraceBlocks * (kTileSlots + 1) * 2);
+  const cudaError_t e = cudaMemcpyFromSymbol(t.data(), symbol, t.size() * sizeof(unsigned long long));
+  if (e != cudaSuccess) {
+    std::fprintf(out, "[tiles] %s: cudaMemcpyFromSymbol failed: %s\n", kernel, cudaGetErrorString(e));
+    return;
+  }
+  print_tiles(out, kernel, t.data());
+}
+
 template <class Symbol>
 inline void dump(std::FILE* out, const char* kernel, const Symbol& symbol) {
   std::vector<unsigned long long> rows(size_t(kTraceBlocks) * kTracePoints);

@@ -63,9 +63,27 @@ enum TracePoint : int {
 };
 static_assert(kTracePointCount <= kTracePoints, "trace points");
 
+// Per-tile timeline of the GEMM roles (math warpgroup 0's thread 128 of each block): for each of
+// the first kTileSlots tiles of GEMM g (0: L1, 1: L2), the time its loop iteration began (the tile
+// known) and the time its mainloop ended; tile_trace_end marks the loop's end in slot kTileSlots.
+inline constexpr int kTileSlots = 96;
+
 #if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 inline constexpr bool kTraceOn = true;
 static __device__ unsigned long long g_trace[kTraceBlocks][kTracePoints];
+static __device__ unsigned long long g_tiles[2][kTraceBlocks][kTileSlots + 1][2];
+__device__ __forceinline__ void tile_trace(int gemm, int slot, int field) {
+  if (threadIdx.x == 128 && blockIdx.x < kTraceBlocks && slot < kTileSlots)
+    g_tiles[gemm][blockIdx.x][slot][field] = ptx::globaltimer_ns();
+}
+__device__ __forceinline__ void tile_trace_end(int gemm) {
+  if (threadIdx.x == 128 && blockIdx.x < kTraceBlocks) g_tiles[gemm][blockIdx.x][kTileSlots][0] = ptx::globaltimer_ns();
+}
+// Clears this block's tile rows of GEMM g (thread 128, before its first tile of the call).
+__device__ __forceinline__ void tile_trace_reset(int g) {
+  if (threadIdx.x == 128 && blockIdx.x < kTraceBlocks)
+    for (int s = 0; s <= kTileSlots; ++s) g_tiles[g][blockIdx.x][s][0] = g_tiles[g][blockIdx.x][s][1] = 0ull;
+}
 
 // At a kernel's entry, before any trace(): clears this block's row so that points a block does not
 // reach this call (block 0's publish, say) do not keep an older call's time.
@@ -80,6 +98,9 @@ __device__ __forceinline__ void trace(int point, unsigned thread = 0) {
 inline constexpr bool kTraceOn = false;
 __device__ __forceinline__ void trace_reset() {}
 __device__ __forceinline__ void trace(int, unsigned = 0) {}
+__device__ __forceinline__ void tile_trace(int, int, int) {}
+__device__ __forceinline__ void tile_trace_end(int) {}
+__device__ __forceinline__ void tile_trace_reset(int) {}
 #endif
 
 }  // namespace epmoe::diag

@@ -18,4 +18,5 @@ cudaError_t launch_sm90_fused_moe_fp8(const FusedMoeMaps& maps, const FusedMoePa
 
 #if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 void epmoe::diag::dump_fused_trace(std::FILE* out) { detail::dump(out, "FP8 megakernel", g_trace); }
+void epmoe::diag::dump_fused_tiles(std::FILE* out) { detail::dump_tiles(out, "FP8 megakernel", g_tiles); }
 #endif

@@ -217,6 +217,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
   const typename Mainloop::Pipe pipe = Mainloop::Pipe::at(bars, gemm::dyn_smem_base_s() + Layout::kBarOffset);
   diag::trace_reset();
+  diag::tile_trace_reset(0);
+  diag::tile_trace_reset(1);
   diag::trace(diag::kFusedEntry);
   if (threadIdx.x == 0) {
     if constexpr (Cfg::kHasStorer) {

@@ -14,3 +14,9 @@ cudaError_t launch_sm90_grouped_gemm_fp8(GemmStage stage, const CUtensorMap& map
 }
 
 }  // namespace epmoe::gemm::detail
+
+#include "device/debug/diag_dump.h"
+#if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
+#include "device/debug/diag_dump_impl.h"
+void epmoe::diag::dump_gemm_tiles(std::FILE* out) { detail::dump_tiles(out, "FP8 GEMM kernels", g_tiles); }
+#endif

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "device/debug/diag_trace.cuh"
 #include "device/gemm/sm90_epilogue_deferred.cuh"
 #include "device/gemm/sm90_epilogue_store.cuh"
 #include "device/gemm/sm90_epilogue_swiglu.cuh"
@@ -186,6 +187,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     if (threadIdx.x % 128 == 0) ptx::red_add_release_gpu(done + pending, 1);
     pending = -1;
   };
+  constexpr int kTraceGemm = Cfg::kSwiGLU ? 0 : 1;
+  int trace_slot = 0;
   for (;;) {
     // from_slots: the tile is known only from its slot. Otherwise the producer walks the static
     // order without publishing it, and so does this, as the standalone kernels do (the tile's first
@@ -204,6 +207,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     } else if (!sched.next(tile)) {
       break;
     }
+    diag::tile_trace(kTraceGemm, trace_slot, 0);
     // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
     // rows would take tensor time from the first one's.
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
@@ -228,6 +232,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                     : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, wg, idle);
     }
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+    diag::tile_trace(kTraceGemm, trace_slot++, 1);
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {
         // The stage of the last K block, kept by the mainloop: the one before st.
@@ -279,6 +284,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     if (done) pending = tile.row0 / kBlockM;
   }
   if (done && pending >= 0) release_pending();
+  diag::tile_trace_end(kTraceGemm);
   if constexpr (Cfg::kHasStorer && kEndStorer) {
     if (!Sm90EpilogueDeferredBf16::finish<typename Cfg::Layout>(wg, dyn_smem_base_s(), tile_count))
       return MathTilesResult::drain_timeout(0, tile_count, sched.next_linear);
@@ -355,6 +361,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // One arrive per math warp (its fence covers the two above).
     pipe.init(Cfg::kEmptyArrivals, p.watchdog);
   }
+  diag::tile_trace_reset(Cfg::kSwiGLU ? 0 : 1);
   // Its __syncthreads also publish the barriers' initialization.
   fill_tile_tables_for<Cfg>(p);
   sm90_grouped_gemm_tiles<Cfg>(&tmap_a, &tmap_a64, &tmap_b, &tmap_d, p, pipe, smem);
