@@ -101,7 +101,11 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
       first.push_back(double(at(g, b, 0, 0) - t0) / 1e3);
       if (at(g, b, kTileSlots, 0)) {
         end.push_back(double(at(g, b, kTileSlots, 0) - t0) / 1e3);
-        span_sum += double(at(g, b, kTileSlots, 0) - at(g, b, 0, 0)) / 1e3;
+        // A block with more tiles than slots: its span up to the last traced mainloop only.
+        const unsigned long long span_end = s == kTileSlots ? at(g, b, s - 1, 1) : at(g, b, kTileSlots, 0);
+        span_sum += double(span_end - at(g, b, 0, 0)) / 1e3;
+      } else {
+        for (int j = 0; j < s; ++j) busy -= double(at(g, b, j, 1) - at(g, b, j, 0)) / 1e3;  // no end: not in the ratio
       }
     }
     std::fprintf(out,

@@ -66,6 +66,9 @@ static_assert(kTracePointCount <= kTracePoints, "trace points");
 // Per-tile timeline of the GEMM roles (math warpgroup 0's thread 128 of each block): for each of
 // the first kTileSlots tiles of GEMM g (0: L1, 1: L2), the time its loop iteration began (the tile
 // known) and the time its mainloop ended; tile_trace_end marks the loop's end in slot kTileSlots.
+// The tile is known before any wait in the static order, but only after its first stage landed
+// where the producer publishes it in the stage's slot (the megakernel): there the mainloop time
+// leaves out that first wait, and the gap before it holds it.
 inline constexpr int kTileSlots = 96;
 
 #if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
