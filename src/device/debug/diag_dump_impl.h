@@ -118,26 +118,29 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
   }
 }
 
+// The device buffer `symbol` (an array of unsigned long long) into host memory; false (and a line
+// on `out`, tagged) if the copy failed.
+template <class Symbol>
+inline bool copy_symbol(std::FILE* out, const char* tag, const char* kernel, const Symbol& symbol,
+                        std::vector<unsigned long long>& v) {
+  v.resize(sizeof(Symbol) / sizeof(unsigned long long));
+  const cudaError_t e = cudaMemcpyFromSymbol(v.data(), symbol, sizeof(Symbol));
+  if (e != cudaSuccess) std::fprintf(out, "%s %s: cudaMemcpyFromSymbol failed: %s\n", tag, kernel, cudaGetErrorString(e));
+  return e == cudaSuccess;
+}
+
 template <class Symbol>
 inline void dump_tiles(std::FILE* out, const char* kernel, const Symbol& symbol) {
-  std::vector<unsigned long long> t(size_t(2) * kTraceBlocks * (kTileSlots + 1) * 2);
-  const cudaError_t e = cudaMemcpyFromSymbol(t.data(), symbol, t.size() * sizeof(unsigned long long));
-  if (e != cudaSuccess) {
-    std::fprintf(out, "[tiles] %s: cudaMemcpyFromSymbol failed: %s\n", kernel, cudaGetErrorString(e));
-    return;
-  }
-  print_tiles(out, kernel, t.data());
+  static_assert(sizeof(Symbol) == sizeof(unsigned long long) * 2 * kTraceBlocks * (kTileSlots + 1) * 2, "g_tiles");
+  std::vector<unsigned long long> t;
+  if (copy_symbol(out, "[tiles]", kernel, symbol, t)) print_tiles(out, kernel, t.data());
 }
 
 template <class Symbol>
 inline void dump(std::FILE* out, const char* kernel, const Symbol& symbol) {
-  std::vector<unsigned long long> rows(size_t(kTraceBlocks) * kTracePoints);
-  const cudaError_t e = cudaMemcpyFromSymbol(rows.data(), symbol, rows.size() * sizeof(unsigned long long));
-  if (e != cudaSuccess) {
-    std::fprintf(out, "[trace] %s: cudaMemcpyFromSymbol failed: %s\n", kernel, cudaGetErrorString(e));
-    return;
-  }
-  print_trace(out, kernel, rows.data());
+  static_assert(sizeof(Symbol) == sizeof(unsigned long long) * kTraceBlocks * kTracePoints, "g_trace");
+  std::vector<unsigned long long> rows;
+  if (copy_symbol(out, "[trace]", kernel, symbol, rows)) print_trace(out, kernel, rows.data());
 }
 
 }  // namespace epmoe::diag::detail
