@@ -91,21 +91,21 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
       if (!at(g, b, 0, 0)) continue;
       ++blocks;
       int s = 0;
+      double block_busy = 0;
       for (; s < kTileSlots && at(g, b, s, 0) && at(g, b, s, 1); ++s) {
         ++tiles;
         const double l = double(at(g, b, s, 1) - at(g, b, s, 0)) / 1e3;
         loop.push_back(l);
-        busy += l;
+        block_busy += l;
         if (s + 1 < kTileSlots && at(g, b, s + 1, 0)) gap.push_back(double(at(g, b, s + 1, 0) - at(g, b, s, 1)) / 1e3);
       }
       first.push_back(double(at(g, b, 0, 0) - t0) / 1e3);
-      if (at(g, b, kTileSlots, 0)) {
+      if (at(g, b, kTileSlots, 0)) {  // blocks without a loop end stay out of the ratio
         end.push_back(double(at(g, b, kTileSlots, 0) - t0) / 1e3);
         // A block with more tiles than slots: its span up to the last traced mainloop only.
         const unsigned long long span_end = s == kTileSlots ? at(g, b, s - 1, 1) : at(g, b, kTileSlots, 0);
         span_sum += double(span_end - at(g, b, 0, 0)) / 1e3;
-      } else {
-        for (int j = 0; j < s; ++j) busy -= double(at(g, b, j, 1) - at(g, b, j, 0)) / 1e3;  // no end: not in the ratio
+        busy += block_busy;
       }
     }
     std::fprintf(out,
