@@ -58,6 +58,7 @@ struct ShapeArgs {
 bool shape_by_name(const std::string& n, ShapeArgs* s) {
   if (n == "dsv3") *s = {n, 32, 7168, 2048, 8};
   else if (n == "qwen3") *s = {n, 64, 2048, 768, 8};
+  else if (n == "qwen3-32") *s = {n, 32, 2048, 768, 8};  // the peers' script's Qwen3-like shape (32 experts per rank)
   else if (n == "top2") *s = {n, 16, 2048, 2048, 2};
   else if (n == "dsv3full") *s = {n, -256, 7168, 2048, 8};  // 256 experts over the ranks (set below)
   else return false;
@@ -498,7 +499,7 @@ int run_layer(const LayerFlags& f, const Output& output) {
   Options o;
   o.out = output;
   if (!shape_by_name(f.shape, &o.shape)) {
-    std::fprintf(stderr, "epmoe-bench layer: --shape must be dsv3, dsv3full, qwen3 or top2\n");
+    std::fprintf(stderr, "epmoe-bench layer: --shape must be dsv3, dsv3full, qwen3, qwen3-32 or top2\n");
     return 2;
   }
   const std::string& dt = f.dtype;
@@ -603,7 +604,7 @@ Run setup_layer(CLI::App& app) {
   auto f = std::make_shared<LayerFlags>();
   CLI::Option* ranks = app.add_option("--ranks", f->ranks, "processes, one GPU each [default: every visible GPU]");
   app.add_option("--shape", f->shape, "dsv3 (32 experts/rank, H 7168, I 2048, K 8), dsv3full (256 experts over "
-                                      "the ranks), qwen3 (64, 2048, 768, 8) or top2 (16, 2048, 2048, 2)")
+                                      "the ranks), qwen3 (64, 2048, 768, 8), qwen3-32 (32, 2048, 768, 8) or top2 (16, 2048, 2048, 2)")
       ->capture_default_str();
   app.add_option("--dtype", f->dtype, "fp8 or bf16")->capture_default_str();
   add_int_list(app, "--tokens", &f->tokens, "tokens per rank, one case each (0 allowed)", 0);

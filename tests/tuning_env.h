@@ -31,7 +31,7 @@ inline heuristics::TuningOverrides tuning_overrides_from_env() {
   };
   env_switch("EPMOE_FUSED_PREFETCH", 0, 64, o.fused_prefetch_k_blocks);
   env_switch("EPMOE_FUSED_B_FIRST", 0, 1, o.fused_b_first);
-  env_switch("EPMOE_FUSED_CLAIM", 0, 1, o.fused_claim_tiles);
+  env_switch("EPMOE_FUSED_CLAIM", 0, 2, o.fused_claim_tiles);
   if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) o.comm_blocks = std::atoi(env);
   env_switch("EPMOE_AUTO_FUSED_MAX", 0, 1 << 30, o.auto_fused_max_tokens);
   return o;

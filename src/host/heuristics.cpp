@@ -1,6 +1,5 @@
 #include "host/heuristics.h"
 
-#include <cmath>
 #include <mutex>
 
 namespace epmoe::heuristics {
@@ -15,15 +14,6 @@ namespace {
 // gains at 1 token and costs at 8 or 128.
 bool tiny_call(const LayerShape& s, int64_t num_tokens) {
   return num_tokens * s.topk <= int64_t(s.experts_per_rank);
-}
-
-// The L1 tiles of a rank that receives num_tokens x topk rows spread uniformly over its experts (the
-// expected number of experts with rows, times the tiles per expert); 0 when the shape does not say.
-double expected_l1_tiles(const LayerShape& s, int64_t num_tokens) {
-  if (s.l1_tiles_per_expert <= 0 || s.grid <= 0 || s.experts_per_rank <= 0) return 0.0;
-  const double e = double(s.experts_per_rank);
-  const double active = e * (1.0 - std::pow(1.0 - 1.0 / e, double(num_tokens * s.topk)));
-  return active * double(s.l1_tiles_per_expert);
 }
 
 }  // namespace
@@ -46,15 +36,14 @@ Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const Tuning
   t.fused_prefetch_k_blocks = o.fused_prefetch_k_blocks >= 0 ? o.fused_prefetch_k_blocks : 0;
   t.fused_b_first = o.fused_b_first >= 0 ? o.fused_b_first == 1 : tiny;
   // Claims, measured at R = 1 (three rounds, docs/DESIGN.md, "The megakernel's schedule"): they
-  // took 90 us off 4096 tokens, 70 off 8192, 35 off 1024 and 17 off 8; in tiny calls they were
-  // 2-10 us slower at 1-2 tokens (means of two calls; also with each block's first tile static)
-  // and level at 4, so they stay off there, where the decode calls of 1-2 tokens are.
-  // In tiny calls the static order, unless the busiest rank is expected to have more L1 tiles than
-  // the grid has blocks: measured at R = 4 (4x H100, docs/DESIGN.md), the DSV3 slice at 2 tokens
-  // (~12.5 active experts x 16 tiles) was 12-16 us faster with claims, and calls whose tiles fit one
-  // wave level or 1.5-3 us slower.
-  t.fused_claim_tiles = o.fused_claim_tiles >= 0 ? o.fused_claim_tiles == 1
-                                                 : !tiny || expected_l1_tiles(s, num_tokens) > double(s.grid);
+  // took 90 us off 4096 tokens, 70 off 8192, 35 off 1024 and 17 off 8; in tiny calls whose L1
+  // tiles fit one wave they were 2-10 us slower at 1-2 tokens (means of two calls; also with each
+  // block's first tile static) and level at 4, so tiny calls claim only when their L1 tiles exceed
+  // the grid, which the kernel reads from its segment layout: at R = 4 (4x H100) the DSV3 slice at
+  // 2 tokens (~12.5 active experts x 16 tiles) was 12-16 us faster with claims.
+  t.fused_claim_tiles = o.fused_claim_tiles >= 0 && o.fused_claim_tiles <= 2 ? ClaimTiles(o.fused_claim_tiles)
+                        : tiny ? ClaimTiles::kBeyondGrid
+                               : ClaimTiles::kAlways;
   // Path::kAuto, per rank from its own T (the paths are interchangeable per rank: the same comm
   // protocol, bitwise the same y). Measured on 4x H200 at R = 4 and 2 (docs/DESIGN.md, "Path::kAuto"):
   // the megakernel is faster up to 512 tokens on the DSV3 slice and up to 1280 on the Qwen3-like

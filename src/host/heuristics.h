@@ -13,6 +13,9 @@
 
 namespace epmoe::heuristics {
 
+// The megakernel's tile order (the values of fused::FusedMoeParams::claim_tiles).
+enum class ClaimTiles : int { kNever = 0, kAlways = 1, kBeyondGrid = 2 };
+
 // What one forward call (and one standalone dispatch or combine launch) runs with.
 struct Tuning {
   // The GEMMs' weight tiles of single-m-block experts go through L2 with an evict-first policy
@@ -25,8 +28,10 @@ struct Tuning {
   int fused_prefetch_k_blocks = 0;
   // The megakernel's producers load a tile's weights before its rows are ready (B-first).
   bool fused_b_first = false;
-  // The megakernel's blocks claim their GEMM tiles from a grid-wide counter (dynamic order).
-  bool fused_claim_tiles = false;
+  // How the megakernel's blocks take their GEMM tiles (fused::FusedMoeParams::claim_tiles):
+  // never claimed (the static order), always claimed from a grid-wide counter, or claimed only
+  // when the call's L1 tiles exceed the grid (decided in the kernel from the segment layout).
+  ClaimTiles fused_claim_tiles = ClaimTiles::kNever;
   // Path::kAuto takes the megakernel for this call (if the layer has it).
   bool auto_fused = false;
 };
@@ -35,10 +40,6 @@ struct Tuning {
 struct LayerShape {
   int topk = 0;
   int experts_per_rank = 0;
-  // For the megakernel's tile claims in tiny calls: L1 tiles per expert with rows (ceil(2I / 256))
-  // and the megakernel's grid; 0 = unknown (tiny calls then keep the static order).
-  int l1_tiles_per_expert = 0;
-  int grid = 0;
 };
 
 // The comm kernels' shape: the grid's upper bound and the work per token.
@@ -55,7 +56,7 @@ struct TuningOverrides {
   int fused_epilogue = 0;            // 1: the decode (inline) variant, 2: the deferred one
   int fused_prefetch_k_blocks = -1;  // 0..64
   int fused_b_first = -1;            // 0 or 1
-  int fused_claim_tiles = -1;        // 0 or 1
+  int fused_claim_tiles = -1;        // 0 never, 1 always, 2 beyond the grid (ClaimTiles)
   int comm_blocks = 0;               // > 0: caps the dispatch and combine grids
   int auto_fused_max_tokens = -1;    // >= 0: Path::kAuto takes the megakernel up to this many tokens
 };

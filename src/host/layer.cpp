@@ -326,7 +326,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.phase_ts = nullptr;
       fp.prefetch_k_blocks = t.fused_prefetch_k_blocks;
       fp.b_first = t.fused_b_first ? 1 : 0;
-      fp.claim_tiles = t.fused_claim_tiles ? 1 : 0;
+      fp.claim_tiles = int(t.fused_claim_tiles);
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
         const Status z = detail::cuda_status(
@@ -499,9 +499,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   // This call's tuning choices (src/host/heuristics.h), with the overrides copied at create.
   heuristics::Tuning tuning(int num_tokens) const {
-    const int l1_tiles = (2 * cfg_.intermediate + gemm::kBlockN - 1) / gemm::kBlockN;
-    return heuristics::choose_layer_tuning(
-        heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank(), l1_tiles, fused_grid_}, num_tokens, overrides_);
+    return heuristics::choose_layer_tuning(heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank()}, num_tokens,
+                                           overrides_);
   }
 
   // Collective, after DispatchHandle::create: every rank learns whether planning the GEMMs and

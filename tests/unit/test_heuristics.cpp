@@ -13,44 +13,42 @@ TEST(Heuristics, LayerTuningFollowsTheCallSize) {
   Tuning t = choose_layer_tuning(s, 4, none);
   EXPECT_TRUE(t.weights_evict_first);
   EXPECT_TRUE(t.fused_b_first);
-  EXPECT_FALSE(t.fused_claim_tiles);
+  EXPECT_EQ(t.fused_claim_tiles, ClaimTiles::kBeyondGrid);
   EXPECT_FALSE(t.fused_deferred_epilogue);
   EXPECT_EQ(t.fused_prefetch_k_blocks, 0);
   t = choose_layer_tuning(s, 5, none);
   EXPECT_FALSE(t.weights_evict_first);
   EXPECT_FALSE(t.fused_b_first);
-  EXPECT_TRUE(t.fused_claim_tiles);
+  EXPECT_EQ(t.fused_claim_tiles, ClaimTiles::kAlways);
   // The deferred epilogue from 256 rows per expert on average: 1024 x 8 = 256 x 32.
   EXPECT_FALSE(choose_layer_tuning(s, 1023, none).fused_deferred_epilogue);
   EXPECT_TRUE(choose_layer_tuning(s, 1024, none).fused_deferred_epilogue);
 }
 
-// Tiny calls claim tiles once the busiest rank is expected to have more L1 tiles than the grid has
-// blocks (the DSV3 slice: 16 tiles per expert, 32 experts per rank, a grid of 132).
-TEST(Heuristics, TinyCallsClaimTilesBeyondOneWave) {
+// Tiny calls leave the tile order to the kernel (claims once the call's L1 tiles exceed the grid);
+// larger calls always claim.
+TEST(Heuristics, TinyCallsClaimTilesBeyondTheGrid) {
   const TuningOverrides none;
-  const LayerShape dsv3{8, 32, 16, 132};
-  // 1 token: 8 rows, ~7.2 experts, ~115 tiles: one wave, static order.
-  EXPECT_FALSE(choose_layer_tuning(dsv3, 1, none).fused_claim_tiles);
-  // 2 tokens: 16 rows, ~12.5 experts, ~200 tiles: claims (still a tiny call otherwise).
-  const Tuning t = choose_layer_tuning(dsv3, 2, none);
-  EXPECT_TRUE(t.fused_claim_tiles);
-  EXPECT_TRUE(t.weights_evict_first);
-  EXPECT_TRUE(t.fused_b_first);
-  // The Qwen3-like shape (6 tiles per expert, 64 experts per rank): ~46 and ~85 tiles at 1 and 2
-  // tokens: static.
-  const LayerShape qwen3{8, 64, 6, 132};
-  EXPECT_FALSE(choose_layer_tuning(qwen3, 1, none).fused_claim_tiles);
-  EXPECT_FALSE(choose_layer_tuning(qwen3, 2, none).fused_claim_tiles);
-  // Without the tile count or the grid, tiny calls keep the static order.
-  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32}, 2, none).fused_claim_tiles);
-  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32, 16, 0}, 2, none).fused_claim_tiles);
+  const LayerShape dsv3{8, 32};
+  EXPECT_EQ(choose_layer_tuning(dsv3, 0, none).fused_claim_tiles, ClaimTiles::kBeyondGrid);
+  EXPECT_EQ(choose_layer_tuning(dsv3, 1, none).fused_claim_tiles, ClaimTiles::kBeyondGrid);
+  EXPECT_EQ(choose_layer_tuning(dsv3, 4, none).fused_claim_tiles, ClaimTiles::kBeyondGrid);
+  EXPECT_EQ(choose_layer_tuning(dsv3, 5, none).fused_claim_tiles, ClaimTiles::kAlways);
+  const LayerShape qwen3{8, 64};
+  EXPECT_EQ(choose_layer_tuning(qwen3, 8, none).fused_claim_tiles, ClaimTiles::kBeyondGrid);
+  EXPECT_EQ(choose_layer_tuning(qwen3, 9, none).fused_claim_tiles, ClaimTiles::kAlways);
+  // Out-of-range overrides are ignored.
+  TuningOverrides o;
+  o.fused_claim_tiles = 3;
+  EXPECT_EQ(choose_layer_tuning(dsv3, 1, o).fused_claim_tiles, ClaimTiles::kBeyondGrid);
+  o.fused_claim_tiles = 0;
+  EXPECT_EQ(choose_layer_tuning(dsv3, 64, o).fused_claim_tiles, ClaimTiles::kNever);
 }
 
 // Path::kAuto: the megakernel up to kAutoFusedMaxTokens (512) local tokens, 0 included; the override
 // moves the threshold.
 TEST(Heuristics, AutoPathTakesTheMegakernelUpTo512Tokens) {
-  const LayerShape s{8, 32, 16, 132};
+  const LayerShape s{8, 32};
   TuningOverrides o;
   EXPECT_EQ(kAutoFusedMaxTokens, 512);
   for (int64_t t : {0, 1, 2, 128, 512}) EXPECT_TRUE(choose_layer_tuning(s, t, o).auto_fused) << t;
@@ -74,7 +72,7 @@ TEST(Heuristics, OverridesForceTheLayerChoices) {
   EXPECT_FALSE(t.fused_deferred_epilogue);
   EXPECT_EQ(t.fused_prefetch_k_blocks, 8);
   EXPECT_FALSE(t.fused_b_first);
-  EXPECT_TRUE(t.fused_claim_tiles);
+  EXPECT_EQ(t.fused_claim_tiles, ClaimTiles::kAlways);
   EXPECT_TRUE(t.weights_evict_first);  // not an override
   o.fused_epilogue = 2;
   EXPECT_TRUE(choose_layer_tuning(s, 1, o).fused_deferred_epilogue);

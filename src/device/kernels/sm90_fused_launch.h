@@ -28,11 +28,18 @@ struct FusedMoeParams {
   // b_first: a GEMM producer whose tile's rows are not ready yet loads the tile's weights first
   //   (gemm::Sm90TmaProducer::run);
   // claim_tiles: each block claims its GEMM tiles from a grid-wide counter instead of taking them
-  //   in the static order (gemm::Sm90TmaProducer::run).
+  //   in the static order (gemm::Sm90TmaProducer::run): kClaimNever, kClaimAlways, or
+  //   kClaimBeyondGrid (claims only when this call's L1 tiles exceed the grid, which every block
+  //   reads from its own copy of the segment layout, so that all blocks agree).
   int prefetch_k_blocks;
   int b_first;
   int claim_tiles;
 };
+
+// FusedMoeParams::claim_tiles.
+inline constexpr int kClaimNever = 0;
+inline constexpr int kClaimAlways = 1;
+inline constexpr int kClaimBeyondGrid = 2;
 
 // Phase stamps of one fused call (see FusedMoeParams::phase_ts).
 enum FusedPhase : int {

@@ -118,7 +118,7 @@ inline constexpr uint32_t kRolesDoneBarrier = 3;
 // starts an L2 tile once every L1 tile of its pool m-block is stored (ready[m] counts the math
 // warpgroups' releases, kMathWarpgroups per L1 tile), so the L1 tail of some blocks overlaps the
 // first L2 tiles of others. Each role sets its register budget once for both GEMMs.
-// Which tiles a block runs: with `claim` (FusedMoeParams::claim_tiles) the producer thread runs
+// Which tiles a block runs: with `claim` (FusedMoeParams::claim_tiles, above) the producer thread runs
 // tile b of each GEMM first and then takes each next linear tile from a grid-wide counter
 // (claim[0] L1, claim[1] L2, offset by the grid), so blocks that left the dispatch late, or that a
 // static order would give one tile more, take fewer tiles; without it, the static order
@@ -283,13 +283,20 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
       [&](int e) { return layout_scratch[p.dispatch.shape.num_ranks * E_loc + e]; }, E_loc, gemm::kBlockM);
   ptx::fence_proxy_async_shared_cta();
   __syncthreads();
+  // Claims by the tile count (kClaimBeyondGrid, decode calls): the static order fits a call whose
+  // L1 tiles fit one wave; beyond it, the blocks that the static order gives a second L1 tile also
+  // get the most L2 tiles, and claims spread them (docs/MEGAKERNEL.md, Configuration per call).
+  // Every block reads the same count from its own copy of the layout, so all agree.
+  const bool claims = p.claim_tiles == kClaimAlways ||
+                      (p.claim_tiles == kClaimBeyondGrid &&
+                       gemm::make_scheduler<typename Cfg::L1>(p.l1).num_tiles() > int(gridDim.x));
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 
   // L1 (x_pool W1'^T -> SwiGLU -> a_pool) and L2 (a_pool W2^T -> o_pool) on one ring.
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_a1_64, &map_b1, &map_d1, p.l1, &map_a2, &map_a2_64, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
-      uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, p.claim_tiles ? claim : nullptr, p.b_first != 0,
+      uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, claims ? claim : nullptr, p.b_first != 0,
       p.phase_ts);
   diag::trace(diag::kFusedGemm);
   comm::grid_barrier(barrier_word, site);
