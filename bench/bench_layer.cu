@@ -79,6 +79,7 @@ struct Options {
   std::vector<std::string> paths;
   int iters = 50, warmup = 10, sets = 4;
   bool graph = true;
+  bool per_set = false;  // also each input set's median (decode: the routing sets the busiest rank)
   Output out;  // --json, --quiet
   double peak_tflops = 0, hbm_gbs = 0;  // 0: by GPU (default_hbm_gbs)
   PartialPrecision partials = PartialPrecision::kFloat32;
@@ -417,6 +418,23 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     if (!json_stdout && path_median.size() == 2 && path_median[0] > 0 && path_median[1] > 0)
       out << "        " << o.paths[1] << " / " << o.paths[0] << " time ratio at T=" << T << ": "
           << path_median[1] / path_median[0] << "\n";
+    if (!json_stdout && o.per_set) {
+      for (int s = 0; s < sets; ++s) {
+        char line[512];
+        int n = std::snprintf(line, sizeof(line), "        set %d: rank %d rows %lld, active experts %lld;", s, me,
+                              static_cast<long long>(traffic[s].rows),
+                              static_cast<long long>(traffic[s].active_experts));
+        for (const PathRun& pr : runs) {
+          if (!pr.supported || n >= int(sizeof(line))) continue;
+          std::vector<double> v;
+          for (int it = s; it < int(pr.us.size()); it += sets) v.push_back(pr.us[it]);
+          if (!v.empty())
+            n += std::snprintf(line + n, sizeof(line) - size_t(n), " %s %.1f us (%zu calls)", pr.name.c_str(),
+                               stats_of(v).median, v.size());
+        }
+        out << line << "\n";
+      }
+    }
     for (int s = 0; s < sets; ++s) {
       cudaFree(xs[s]); cudaFree(ys[s]); cudaFree(idxs[s]); cudaFree(wts[s]);
     }
@@ -461,6 +479,7 @@ struct LayerFlags {
   int iters = 50, warmup = 10, sets = 4, graph = 1;
   double peak_tflops = 0, hbm_gbs = 0, timeout = 540;
   bool sizes = false;  // print the workspace's sizes and exit (no GPU)
+  bool per_set = false;
 };
 
 // The GPU memory a workspace for this shape holds per rank (host arithmetic: the sizes that
@@ -532,6 +551,7 @@ int run_layer(const LayerFlags& f, const Output& output) {
   o.iters = f.iters;
   o.warmup = f.warmup;
   o.sets = f.sets;
+  o.per_set = f.per_set;
   o.graph = f.graph != 0;
   o.peak_tflops = f.peak_tflops;
   o.hbm_gbs = f.hbm_gbs;
@@ -625,6 +645,9 @@ Run setup_layer(CLI::App& app) {
                  "roofline HBM GB/s [default: by GPU, the device-to-device copy bandwidth measured on it: "
                  "H100 3000, H200 4200]");
   app.add_option("--timeout", f->timeout, "seconds before the ranks are killed")->capture_default_str();
+  app.add_flag("--per-set", f->per_set,
+               "also print each input set's median per path, with this rank's rows and active experts (in small "
+               "calls the routing of a set decides the busiest rank, and so the call's time)");
   app.add_flag("--sizes", f->sizes,
                "print the GPU memory of the workspace for this shape, --ranks and the largest --tokens, and exit "
                "(host arithmetic, no GPU)");

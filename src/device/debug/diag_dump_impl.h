@@ -64,12 +64,15 @@ inline void print_trace(std::FILE* out, const char* kernel, const unsigned long 
   }
 }
 
-// Tile rows: [2][kTraceBlocks][kTileSlots + 1][2] (start, mainloop end; slot kTileSlots: loop end).
-// Per GEMM: tiles, the mainloop's duration per tile, the gap from one mainloop's end to the next
-// tile's start (epilogue and handoff), the first start and the loop ends over blocks, in us after
-// the earliest first start of either GEMM; busy = mainloop time over the span it was spread across.
+// Tile rows: [2][kTraceBlocks][kTileSlots + 1][kTileFields] (start, mainloop end, epilogue end; slot
+// kTileSlots: loop end). Per GEMM: tiles, the mainloop's duration per tile, the gap from one
+// mainloop's end to the next tile's start (epilogue and handoff) and the epilogue's share of it, the
+// first start and the loop ends over blocks, in us after the earliest first start of either GEMM;
+// busy = mainloop time over the span it was spread across.
 inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long long* t) {
-  const auto at = [&](int g, int b, int s, int f) { return t[((size_t(g) * kTraceBlocks + b) * (kTileSlots + 1) + s) * 2 + f]; };
+  const auto at = [&](int g, int b, int s, int f) {
+    return t[((size_t(g) * kTraceBlocks + b) * (kTileSlots + 1) + s) * kTileFields + f];
+  };
   unsigned long long t0 = ~0ull;
   for (int g = 0; g < 2; ++g)
     for (int b = 0; b < kTraceBlocks; ++b)
@@ -84,7 +87,7 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
     return v[std::min(v.size() - 1, size_t(f * double(v.size())))];
   };
   for (int g = 0; g < 2; ++g) {
-    std::vector<double> loop, gap, first, end;
+    std::vector<double> loop, gap, epi, first, end;
     double busy = 0, span_sum = 0;
     int tiles = 0, blocks = 0;
     for (int b = 0; b < kTraceBlocks; ++b) {
@@ -98,6 +101,7 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
         loop.push_back(l);
         block_busy += l;
         if (s + 1 < kTileSlots && at(g, b, s + 1, 0)) gap.push_back(double(at(g, b, s + 1, 0) - at(g, b, s, 1)) / 1e3);
+        if (at(g, b, s, 2) >= at(g, b, s, 1)) epi.push_back(double(at(g, b, s, 2) - at(g, b, s, 1)) / 1e3);
       }
       first.push_back(double(at(g, b, 0, 0) - t0) / 1e3);
       if (at(g, b, kTileSlots, 0)) {  // blocks without a loop end stay out of the ratio
@@ -110,10 +114,10 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
     }
     std::fprintf(out,
                  "[tiles] %s %s: %d tiles on %d blocks; mainloop per tile p10 / median / p90 %.2f / %.2f / %.2f us; "
-                 "gap to the next tile %.2f / %.2f / %.2f us; first start %.1f / %.1f / %.1f; loop end %.1f / %.1f / "
-                 "%.1f us; mainloops over the blocks' spans %.3f\n",
+                 "gap to the next tile %.2f / %.2f / %.2f us (of which the epilogue %.2f / %.2f / %.2f); first start "
+                 "%.1f / %.1f / %.1f; loop end %.1f / %.1f / %.1f us; mainloops over the blocks' spans %.3f\n",
                  kernel, g == 0 ? "L1" : "L2", tiles, blocks, q(loop, 0.1), q(loop, 0.5), q(loop, 0.9), q(gap, 0.1),
-                 q(gap, 0.5), q(gap, 0.9), q(first, 0.0), q(first, 0.5), q(first, 0.999), q(end, 0.0), q(end, 0.5),
+                 q(gap, 0.5), q(gap, 0.9), q(epi, 0.1), q(epi, 0.5), q(epi, 0.9), q(first, 0.0), q(first, 0.5), q(first, 0.999), q(end, 0.0), q(end, 0.5),
                  q(end, 0.999), span_sum > 0 ? busy / span_sum : 0.0);
   }
 }
@@ -131,7 +135,7 @@ inline bool copy_symbol(std::FILE* out, const char* tag, const char* kernel, con
 
 template <class Symbol>
 inline void dump_tiles(std::FILE* out, const char* kernel, const Symbol& symbol) {
-  static_assert(sizeof(Symbol) == sizeof(unsigned long long) * 2 * kTraceBlocks * (kTileSlots + 1) * 2, "g_tiles");
+  static_assert(sizeof(Symbol) == sizeof(unsigned long long) * 2 * kTraceBlocks * (kTileSlots + 1) * kTileFields, "g_tiles");
   std::vector<unsigned long long> t;
   if (copy_symbol(out, "[tiles]", kernel, symbol, t)) print_tiles(out, kernel, t.data());
 }

@@ -65,7 +65,9 @@ static_assert(kTracePointCount <= kTracePoints, "trace points");
 
 // Per-tile timeline of the GEMM roles (math warpgroup 0's thread 128 of each block): for each of
 // the first kTileSlots tiles of GEMM g (0: L1, 1: L2), the time its loop iteration began (the tile
-// known) and the time its mainloop ended; tile_trace_end marks the loop's end in slot kTileSlots.
+// known), the time its mainloop ended and the time its epilogue (with the fused L1's readiness
+// release, where it follows the epilogue) ended; tile_trace_end marks the loop's end in slot
+// kTileSlots.
 // The tile is known before any wait in the static order, but only after its first stage landed
 // where the producer publishes it in the stage's slot (the megakernel): there the mainloop time
 // leaves out that first wait, and the gap before it holds it.
@@ -74,7 +76,8 @@ inline constexpr int kTileSlots = 96;
 #if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 inline constexpr bool kTraceOn = true;
 static __device__ unsigned long long g_trace[kTraceBlocks][kTracePoints];
-static __device__ unsigned long long g_tiles[2][kTraceBlocks][kTileSlots + 1][2];
+inline constexpr int kTileFields = 3;
+static __device__ unsigned long long g_tiles[2][kTraceBlocks][kTileSlots + 1][kTileFields];
 __device__ __forceinline__ void tile_trace(int gemm, int slot, int field) {
   if (threadIdx.x == 128 && blockIdx.x < kTraceBlocks && slot < kTileSlots)
     g_tiles[gemm][blockIdx.x][slot][field] = ptx::globaltimer_ns();
@@ -85,7 +88,8 @@ __device__ __forceinline__ void tile_trace_end(int gemm) {
 // Clears this block's tile rows of GEMM g (thread 128, before its first tile of the call).
 __device__ __forceinline__ void tile_trace_reset(int g) {
   if (threadIdx.x == 128 && blockIdx.x < kTraceBlocks)
-    for (int s = 0; s <= kTileSlots; ++s) g_tiles[g][blockIdx.x][s][0] = g_tiles[g][blockIdx.x][s][1] = 0ull;
+    for (int s = 0; s <= kTileSlots; ++s)
+      for (int f = 0; f < kTileFields; ++f) g_tiles[g][blockIdx.x][s][f] = 0ull;
 }
 
 // At a kernel's entry, before any trace(): clears this block's row so that points a block does not

@@ -149,10 +149,15 @@ struct MathTilesResult {
 // Every thread of the math warpgroup `wg` (0 or 1), at the math budget. `done` (optional, the
 // fused kernel's L1): once a tile's epilogue stored its rows, the warpgroup adds 1 to
 // done[tile.row0 / BLOCK_M] with a gpu-scope release, so an m-block is complete at
-// kMathWarpgroups x n_tiles. The release of a tile is deferred until the next tile's mainloop
-// has run (or the loop ends): its proxy fence then finds the epilogue's stores drained instead of
-// waiting for them with the tensor cores idle (measured ~60 us per call at 4096 tokens per rank
-// when it followed each epilogue). Why no trap in here: see sm90_grouped_gemm_tiles.
+// kMathWarpgroups x n_tiles. With a storer (the megakernel's throughput variant) the release of a
+// partial tile is deferred until the next tile's mainloop has run (or the loop ends): its proxy
+// fence then finds the epilogue's stores drained instead of waiting for them with the tensor cores
+// idle (measured ~60 us per call at 4096 tokens per rank when it followed each epilogue). Without
+// one (the decode variant) each tile is released right after its epilogue. Why: a decode tile
+// waits for its weights, not for the tensor cores, so the fence costs the stream nothing, while a
+// deferred release held every expert's L2 tiles until the last L1 tile of a block with two had
+// run its mainloop (the per-tile trace, Qwen3-like shape at 128 tokens: L2 started ~15 us after
+// most L1 tiles were done). Why no trap in here: see sm90_grouped_gemm_tiles.
 // Deferred tiles (Cfg::kHasStorer): `first_tile_count` is how many this block's storer has been
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
@@ -251,6 +256,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
         if (!staged)
           return MathTilesResult::drain_timeout(kept, tile_count, sched.next_linear);
         ++tile_count;
+        diag::tile_trace(kTraceGemm, trace_slot - 1, 2);
         continue;
       }
       // L2: the staging tiles below are slabs 6-7 of the last deferred tile: wait until they drained.
@@ -270,6 +276,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                             smem_s + Cfg::Layout::kEpiScaleOffset);
         Sm90EpilogueDeferredBf16::end_l1<typename Cfg::Layout>(smem_s);
         ++tile_count;
+        diag::tile_trace(kTraceGemm, trace_slot - 1, 2);
         continue;
       }
     }
@@ -281,7 +288,11 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                    kMathBarrierBase + uint32_t(wg));
       }
     }
-    if (done) pending = tile.row0 / kBlockM;
+    if (done) {
+      pending = tile.row0 / kBlockM;
+      if constexpr (!Cfg::kHasStorer) release_pending();
+    }
+    diag::tile_trace(kTraceGemm, trace_slot - 1, 2);
   }
   if (done && pending >= 0) release_pending();
   diag::tile_trace_end(kTraceGemm);
