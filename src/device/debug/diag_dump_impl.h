@@ -87,7 +87,7 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
     return v[std::min(v.size() - 1, size_t(f * double(v.size())))];
   };
   for (int g = 0; g < 2; ++g) {
-    std::vector<double> loop, gap, epi, first, end;
+    std::vector<double> loop, gap, epi, stores, vals, first, end;
     double busy = 0, span_sum = 0;
     int tiles = 0, blocks = 0;
     for (int b = 0; b < kTraceBlocks; ++b) {
@@ -102,6 +102,8 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
         block_busy += l;
         if (s + 1 < kTileSlots && at(g, b, s + 1, 0)) gap.push_back(double(at(g, b, s + 1, 0) - at(g, b, s, 1)) / 1e3);
         if (at(g, b, s, 2) >= at(g, b, s, 1)) epi.push_back(double(at(g, b, s, 2) - at(g, b, s, 1)) / 1e3);
+        if (at(g, b, s, 3) >= at(g, b, s, 1)) stores.push_back(double(at(g, b, s, 3) - at(g, b, s, 1)) / 1e3);
+        if (at(g, b, s, 4) >= at(g, b, s, 1)) vals.push_back(double(at(g, b, s, 4) - at(g, b, s, 1)) / 1e3);
       }
       first.push_back(double(at(g, b, 0, 0) - t0) / 1e3);
       if (at(g, b, kTileSlots, 0)) {  // blocks without a loop end stay out of the ratio
@@ -114,10 +116,12 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
     }
     std::fprintf(out,
                  "[tiles] %s %s: %d tiles on %d blocks; mainloop per tile p10 / median / p90 %.2f / %.2f / %.2f us; "
-                 "gap to the next tile %.2f / %.2f / %.2f us (of which the epilogue %.2f / %.2f / %.2f); first start "
+                 "gap to the next tile %.2f / %.2f / %.2f us (of which the epilogue %.2f / %.2f / %.2f, its values "
+                 "computed after %.2f / %.2f / %.2f, its own stores issued after %.2f / %.2f / %.2f); first start "
                  "%.1f / %.1f / %.1f; loop end %.1f / %.1f / %.1f us; mainloops over the blocks' spans %.3f\n",
                  kernel, g == 0 ? "L1" : "L2", tiles, blocks, q(loop, 0.1), q(loop, 0.5), q(loop, 0.9), q(gap, 0.1),
-                 q(gap, 0.5), q(gap, 0.9), q(epi, 0.1), q(epi, 0.5), q(epi, 0.9), q(first, 0.0), q(first, 0.5), q(first, 0.999), q(end, 0.0), q(end, 0.5),
+                 q(gap, 0.5), q(gap, 0.9), q(epi, 0.1), q(epi, 0.5), q(epi, 0.9), q(vals, 0.1), q(vals, 0.5), q(vals, 0.9), q(stores, 0.1), q(stores, 0.5),
+                 q(stores, 0.9), q(first, 0.0), q(first, 0.5), q(first, 0.999), q(end, 0.0), q(end, 0.5),
                  q(end, 0.999), span_sum > 0 ? busy / span_sum : 0.0);
   }
 }

@@ -65,8 +65,10 @@ static_assert(kTracePointCount <= kTracePoints, "trace points");
 
 // Per-tile timeline of the GEMM roles (math warpgroup 0's thread 128 of each block): for each of
 // the first kTileSlots tiles of GEMM g (0: L1, 1: L2), the time its loop iteration began (the tile
-// known), the time its mainloop ended and the time its epilogue (with the fused L1's readiness
-// release, where it follows the epilogue) ended; tile_trace_end marks the loop's end in slot
+// known), the time its mainloop ended, the time its epilogue (with the fused L1's readiness
+// release, where it follows the epilogue) ended and, for the math warpgroups' own stores, the time
+// those stores were issued (before the release) and the time the L1 epilogue's values were
+// computed (its row weights loaded, SwiGLU done); tile_trace_end marks the loop's end in slot
 // kTileSlots.
 // The tile is known before any wait in the static order, but only after its first stage landed
 // where the producer publishes it in the stage's slot (the megakernel): there the mainloop time
@@ -76,7 +78,7 @@ inline constexpr int kTileSlots = 96;
 #if defined(EPMOE_DIAG_TRACE) && EPMOE_DIAG_TRACE
 inline constexpr bool kTraceOn = true;
 static __device__ unsigned long long g_trace[kTraceBlocks][kTracePoints];
-inline constexpr int kTileFields = 3;
+inline constexpr int kTileFields = 5;
 static __device__ unsigned long long g_tiles[2][kTraceBlocks][kTileSlots + 1][kTileFields];
 __device__ __forceinline__ void tile_trace(int gemm, int slot, int field) {
   if (threadIdx.x == 128 && blockIdx.x < kTraceBlocks && slot < kTileSlots)

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "device/gemm/sm90_gemm_params.h"
+#include "device/debug/diag_trace.cuh"
 #include "device/ptx/ld_st.cuh"
 #include "device/ptx/math.cuh"
 #include "device/quant/fp8_quant.cuh"
@@ -65,13 +66,15 @@ struct Sm90EpilogueSwiGLU {
     }
   }
 
+  // trace_slot: the trace build's tile slot (diag::tile_trace field 4: the values computed).
   __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
-                             int wg, uint32_t slab_s = 0, uint32_t scale_s = 0) {
+                             int wg, uint32_t slab_s = 0, uint32_t scale_s = 0, int trace_slot = -1) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     const int r0 = first_row(wg);
     float a[64];
     values(acc, p, t, r0, a);
+    if (trace_slot >= 0) diag::tile_trace(0, trace_slot, 4);
 
     const int64_t out_col = int64_t(t.n_block) * kHalfN + 2 * (lane % 4);
     if constexpr (kFp8) {

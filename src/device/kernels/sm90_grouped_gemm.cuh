@@ -282,12 +282,13 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     }
     if (!idle) {
       if constexpr (Cfg::kSwiGLU) {
-        Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg);
+        Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1);
       } else {
         Sm90EpilogueStoreBf16::run(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
                                    kMathBarrierBase + uint32_t(wg));
       }
     }
+    diag::tile_trace(kTraceGemm, trace_slot - 1, 3);
     if (done) {
       pending = tile.row0 / kBlockM;
       if constexpr (!Cfg::kHasStorer) release_pending();
