@@ -168,16 +168,7 @@ struct MathTilesResult {
 // after the wait for that stage (which the mainloop's own first wait then finds complete); the
 // producer's end mark (kNoMoreTiles) ends the loop, and its stage is released at once. Without
 // from_slots both roles walk the static order, as in the standalone kernels.
-// kWarmEpilogue (the megakernel's decode variant): the loop's first pass runs only the inline
-// epilogue, on a tile of no rows, so that the epilogue's code is in the SM's instruction cache when
-// the first tile needs it. Why: each block runs one or two tiles per GEMM in a decode call, and the
-// first epilogue of each GEMM waited for its instructions (ncu, one H200, Qwen3-like shape at 128
-// tokens: 64% of the L1 epilogue's stall samples "no instruction"; the trace build: a block's first
-// L1 epilogue took ~7-9 us, later ones ~3, a first L2 epilogue ~4.5 us, later ones ~1.1), while the
-// warm pass runs where the block waits for its first tile's rows anyway. It stores nothing: with no
-// valid row, the L1 epilogue loads no row weight and stores no code or scale, and the L2 epilogue
-// writes only its own staging tile.
-template <class Cfg, bool kEndStorer = true, bool kPairK = false, bool kWarmEpilogue = false>
+template <class Cfg, bool kEndStorer = true, bool kPairK = false>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
@@ -203,63 +194,50 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   };
   constexpr int kTraceGemm = Cfg::kSwiGLU ? 0 : 1;
   int trace_slot = 0;
-  static_assert(!kWarmEpilogue || !Cfg::kHasStorer, "the warm pass is for the inline epilogues only");
-  bool warm = kWarmEpilogue;
   for (;;) {
-    if (warm) {
-      // Why the opaque zero: with a known empty tile the compiler may drop or copy the epilogue, and
-      // the pass would warm nothing. acc holds no values yet; they are never stored.
-      int no_rows = 0;
-      ptx::opaque(no_rows);
-      tile = scheduler::GemmTile{0, 0, 0, 0, no_rows};
-    } else {
-      // from_slots: the tile is known only from its slot. Otherwise the producer walks the static
-      // order without publishing it, and so does this, as the standalone kernels do (the tile's first
-      // weight scales then load before its stage lands: read from the slot, that load's latency was
-      // exposed once per tile, ~1 us per tile in decode calls at R = 1).
-      if (from_slots) {
-        if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
-        const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
-        if (id == kNoMoreTiles) {
-          __syncwarp();
-          if (threadIdx.x % 32 == 0) pipe.consumer_release(st);
-          ++st;
-          break;
-        }
-        sched.seek(int(id), tile);
-      } else if (!sched.next(tile)) {
+    // from_slots: the tile is known only from its slot. Otherwise the producer walks the static
+    // order without publishing it, and so does this, as the standalone kernels do (the tile's first
+    // weight scales then load before its stage lands: read from the slot, that load's latency was
+    // exposed once per tile, ~1 us per tile in decode calls at R = 1).
+    if (from_slots) {
+      if (!pipe.consumer_wait(st)) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
+      const uint32_t id = ptx::ld_shared_u32(dyn_smem_base_s() + Cfg::Layout::claim_slot(st.index));
+      if (id == kNoMoreTiles) {
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) pipe.consumer_release(st);
+        ++st;
         break;
       }
+      sched.seek(int(id), tile);
+    } else if (!sched.next(tile)) {
+      break;
     }
-    if (!warm) diag::tile_trace(kTraceGemm, trace_slot, 0);
+    diag::tile_trace(kTraceGemm, trace_slot, 0);
     // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
     // rows would take tensor time from the first one's.
-    const bool idle = !warm && wg * kWarpgroupM >= tile.rows_valid;
+    const bool idle = wg * kWarpgroupM >= tile.rows_valid;
     // A timeout leaves a deferred release unsent: other blocks' L2 producers may then report
     // their own timeout first; the trap ends the grid either way (fatal path only).
     // Why only full tiles through the deferred store: its TMA stores write whole 64-row slabs, and
     // rows past an expert's count must stay untouched; an expert's last, partial m-block takes the
     // math warpgroups' own store below (which also keeps decode, all partial tiles, as it was).
     const bool deferred = Cfg::kDeferredStore && tile.rows_valid >= kBlockM;
-    bool ok = true;
-    // The warm pass runs no mainloop.
-    if (!warm) {
-      if constexpr (kPairK) {
-        // Whole rings per tile (see Sm90Fp8Mainloop::run_rings): every tile of this GEMM has the same
-        // K, so each one starts at stage 0.
-        if (rings)
-          ok = deferred ? Mainloop::template run_rings<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, wg, idle)
-                        : Mainloop::template run_rings<false>(acc, pipe, st, num_k_blocks, wg, idle);
-        else
-          ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, wg, idle)
-                        : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, wg, idle);
-      } else {
-        ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, wg, idle)
-                      : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, wg, idle);
-      }
+    bool ok;
+    if constexpr (kPairK) {
+      // Whole rings per tile (see Sm90Fp8Mainloop::run_rings): every tile of this GEMM has the same
+      // K, so each one starts at stage 0.
+      if (rings)
+        ok = deferred ? Mainloop::template run_rings<Cfg::kDeferredStore>(acc, pipe, st, num_k_blocks, wg, idle)
+                      : Mainloop::template run_rings<false>(acc, pipe, st, num_k_blocks, wg, idle);
+      else
+        ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, wg, idle)
+                      : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, wg, idle);
+    } else {
+      ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, wg, idle)
+                    : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, wg, idle);
     }
     if (!ok) return MathTilesResult{false, st.index, st.phase, sched.next_linear};
-    if (!warm) diag::tile_trace(kTraceGemm, trace_slot++, 1);
+    diag::tile_trace(kTraceGemm, trace_slot++, 1);
     if constexpr (Cfg::kDeferredStore) {
       if (deferred) {
         // The stage of the last K block, kept by the mainloop: the one before st.
@@ -309,10 +287,6 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
         Sm90EpilogueStoreBf16::run(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
                                    kMathBarrierBase + uint32_t(wg));
       }
-    }
-    if (warm) {
-      warm = false;
-      continue;
     }
     diag::tile_trace(kTraceGemm, trace_slot - 1, 3);
     if (done) {
