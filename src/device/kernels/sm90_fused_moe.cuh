@@ -144,7 +144,7 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const gemm::GroupedGemmParams& p2,
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
-                                                 uint32_t* claim, bool b_first,
+                                                 uint32_t* claim, bool b_first, bool l1_release_at_once,
                                                  unsigned long long* phase_ts) {
   const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
   // Whether the producer publishes the tiles and the math warpgroups read them from the slots: with
@@ -186,7 +186,8 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
-  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready, 0u, from_slots);
+  gemm::MathTilesResult r =
+      gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready, 0u, from_slots, l1_release_at_once);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
   if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
@@ -287,9 +288,13 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // L1 tiles fit one wave; beyond it, the blocks that the static order gives a second L1 tile also
   // get the most L2 tiles, and claims spread them (docs/MEGAKERNEL.md, Configuration per call).
   // Every block reads the same count from its own copy of the layout, so all agree.
-  const bool claims = p.claim_tiles == kClaimAlways ||
-                      (p.claim_tiles == kClaimBeyondGrid &&
-                       gemm::make_scheduler<typename Cfg::L1>(p.l1).num_tiles() > int(gridDim.x));
+  const int l1_tiles = gemm::make_scheduler<typename Cfg::L1>(p.l1).num_tiles();
+  const bool claims = p.claim_tiles == kClaimAlways || (p.claim_tiles == kClaimBeyondGrid && l1_tiles > int(gridDim.x));
+  // The decode variant releases each L1 tile's readiness right after its epilogue in calls of at
+  // most four L1 tiles per block, and after the block's next L1 mainloop above (sm90_math_tiles).
+  // Measured (2x and 4x H200): at once gained at 1-2 tiles per block (one and two DSV3 tokens,
+  // 128 Qwen3-like ones) and at ~4 (128 DSV3 tokens), and cost 4 us at ~6 (512 DSV3 tokens, R = 2).
+  const bool l1_release_at_once = l1_tiles <= 4 * int(gridDim.x);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 
@@ -297,7 +302,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_a1_64, &map_b1, &map_d1, p.l1, &map_a2, &map_a2_64, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
       uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, claims ? claim : nullptr, p.b_first != 0,
-      p.phase_ts);
+      l1_release_at_once, p.phase_ts);
   diag::trace(diag::kFusedGemm);
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);

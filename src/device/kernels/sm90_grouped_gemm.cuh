@@ -149,15 +149,16 @@ struct MathTilesResult {
 // Every thread of the math warpgroup `wg` (0 or 1), at the math budget. `done` (optional, the
 // fused kernel's L1): once a tile's epilogue stored its rows, the warpgroup adds 1 to
 // done[tile.row0 / BLOCK_M] with a gpu-scope release, so an m-block is complete at
-// kMathWarpgroups x n_tiles. With a storer (the megakernel's throughput variant) the release of a
-// partial tile is deferred until the next tile's mainloop has run (or the loop ends): its proxy
-// fence then finds the epilogue's stores drained instead of waiting for them with the tensor cores
-// idle (measured ~60 us per call at 4096 tokens per rank when it followed each epilogue). Without
-// one (the decode variant) each tile is released right after its epilogue. Why: a decode tile
-// waits for its weights, not for the tensor cores, so the fence costs the stream nothing, while a
-// deferred release held every expert's L2 tiles until the last L1 tile of a block with two had
-// run its mainloop (the per-tile trace, Qwen3-like shape at 128 tokens: L2 started ~15 us after
-// most L1 tiles were done). Why no trap in here: see sm90_grouped_gemm_tiles.
+// kMathWarpgroups x n_tiles. The release of a tile is deferred until the next tile's mainloop has
+// run (or the loop ends): its proxy fence then finds the epilogue's stores drained instead of
+// waiting for them with the tensor cores idle (measured ~60 us per call at 4096 tokens per rank
+// when it followed each epilogue). Without a storer (the megakernel's decode variant) and with
+// `release_at_once` (calls of few L1 tiles per block) each tile is released right after its
+// epilogue instead. Why: a deferred release held every expert's L2 tiles until the last L1 tile of
+// a block with two had run its mainloop (the per-tile trace, Qwen3-like shape at 128 tokens: L2
+// started ~15 us after most L1 tiles were done), while with many tiles per block the fences cost
+// more than the early L2 starts gain (docs/DESIGN.md, "The megakernel's schedule"). Why no trap in
+// here: see sm90_grouped_gemm_tiles.
 // Deferred tiles (Cfg::kHasStorer): `first_tile_count` is how many this block's storer has been
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
@@ -173,7 +174,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
                                                            uint32_t* done = nullptr, uint32_t first_tile_count = 0,
-                                                           bool from_slots = false) {
+                                                           bool from_slots = false, bool release_at_once = false) {
   using Mainloop = typename Cfg::Mainloop;
   const int num_k_blocks = p.k / Cfg::kBlockK;
   const bool rings = num_k_blocks % Cfg::kStages == 0;
@@ -291,7 +292,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     diag::tile_trace(kTraceGemm, trace_slot - 1, 3);
     if (done) {
       pending = tile.row0 / kBlockM;
-      if constexpr (!Cfg::kHasStorer) release_pending();
+      if constexpr (!Cfg::kHasStorer) {
+        if (release_at_once) release_pending();
+      }
     }
     diag::tile_trace(kTraceGemm, trace_slot - 1, 2);
   }
