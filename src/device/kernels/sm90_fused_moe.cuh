@@ -291,9 +291,9 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   const int l1_tiles = gemm::make_scheduler<typename Cfg::L1>(p.l1).num_tiles();
   const bool claims = p.claim_tiles == kClaimAlways || (p.claim_tiles == kClaimBeyondGrid && l1_tiles > int(gridDim.x));
   // The decode variant releases each L1 tile's readiness right after its epilogue in calls of at
-  // most four L1 tiles per block, and after the block's next L1 mainloop above (sm90_math_tiles).
-  // Measured (2x and 4x H200): at once gained at 1-2 tiles per block (one and two DSV3 tokens,
-  // 128 Qwen3-like ones) and at ~4 (128 DSV3 tokens), and cost 4 us at ~6 (512 DSV3 tokens, R = 2).
+  // most four L1 tiles per block, otherwise after the block's next L1 mainloop (sm90_math_tiles).
+  // Why four: at once gained at 1-2 tiles per block (one and two DSV3 tokens, 128 Qwen3-like ones)
+  // and at ~4 (128 DSV3 tokens), and cost 4 us at ~6 (512 DSV3 tokens, R = 2; docs/DESIGN.md).
   const bool l1_release_at_once = l1_tiles <= 4 * int(gridDim.x);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
