@@ -38,8 +38,11 @@ if [ -f "$build/libepmoe_gemm_ctypes.so" ]; then
   cp "$build/libepmoe_gemm_ctypes.so" .gpu/bin/ && strip --strip-debug .gpu/bin/libepmoe_gemm_ctypes.so
 fi
 # The Python package as a wheel (py3-none: no CPython ABI), so the GPU run tests the installed package.
-python3 -m pip wheel -q --no-deps -w .gpu/bin -C cmake.define.EPMOE_EXTRA_RPATH="$gpu_rpath" ./python \
-  >/dev/null 2>&1 || echo "stage_gpu: python wheel build failed"
+# EPMOE_STAGE_WHEEL=0 skips it: pip builds the library again from scratch (~4 min on 2 cores).
+if [ "${EPMOE_STAGE_WHEEL:-1}" != 0 ]; then
+  python3 -m pip wheel -q --no-deps -w .gpu/bin -C cmake.define.EPMOE_EXTRA_RPATH="$gpu_rpath" ./python \
+    >/dev/null 2>&1 || echo "stage_gpu: python wheel build failed"
+fi
 # The tree the binaries were built from (the device copy's git metadata can be stale): benchmark
 # scripts print it (gemm_vs_deepgemm.py reads the COMMIT next to its library).
 { git rev-parse --short HEAD; git diff --quiet HEAD -- src include bench python tools 2>/dev/null || echo "+ uncommitted changes"; } \
