@@ -326,6 +326,11 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
       fp.phase_ts = nullptr;
       fp.prefetch_k_blocks = t.fused_prefetch_k_blocks;
       fp.b_first = t.fused_b_first ? 1 : 0;
+      // heuristics.h stays free of device headers, so the two spellings of the tile order are tied here.
+      static_assert(int(heuristics::ClaimTiles::kNever) == fused::kClaimNever &&
+                        int(heuristics::ClaimTiles::kAlways) == fused::kClaimAlways &&
+                        int(heuristics::ClaimTiles::kBeyondGrid) == fused::kClaimBeyondGrid,
+                    "heuristics::ClaimTiles and FusedMoeParams::claim_tiles");
       fp.claim_tiles = int(t.fused_claim_tiles);
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.

@@ -120,8 +120,8 @@ inline void print_tiles(std::FILE* out, const char* kernel, const unsigned long 
                  "computed after %.2f / %.2f / %.2f, its own stores issued after %.2f / %.2f / %.2f); first start "
                  "%.1f / %.1f / %.1f; loop end %.1f / %.1f / %.1f us; mainloops over the blocks' spans %.3f\n",
                  kernel, g == 0 ? "L1" : "L2", tiles, blocks, q(loop, 0.1), q(loop, 0.5), q(loop, 0.9), q(gap, 0.1),
-                 q(gap, 0.5), q(gap, 0.9), q(epi, 0.1), q(epi, 0.5), q(epi, 0.9), q(vals, 0.1), q(vals, 0.5), q(vals, 0.9), q(stores, 0.1), q(stores, 0.5),
-                 q(stores, 0.9), q(first, 0.0), q(first, 0.5), q(first, 0.999), q(end, 0.0), q(end, 0.5),
+                 q(gap, 0.5), q(gap, 0.9), q(epi, 0.1), q(epi, 0.5), q(epi, 0.9), q(vals, 0.1), q(vals, 0.5),
+                 q(vals, 0.9), q(stores, 0.1), q(stores, 0.5), q(stores, 0.9), q(first, 0.0), q(first, 0.5), q(first, 0.999), q(end, 0.0), q(end, 0.5),
                  q(end, 0.999), span_sum > 0 ? busy / span_sum : 0.0);
   }
 }
