@@ -67,8 +67,11 @@ struct Sm90EpilogueSwiGLU {
   }
 
   // trace_slot: the trace build's tile slot (diag::tile_trace field 4: the values computed).
+  // dry (the megakernel's idle warpgroup, none of whose rows is valid): every instruction of the
+  // global-store path runs, and no store is made (sm90_math_tiles, kIdleWarm).
   __device__ static void run(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
-                             int wg, uint32_t slab_s = 0, uint32_t scale_s = 0, int trace_slot = -1) {
+                             int wg, uint32_t slab_s = 0, uint32_t scale_s = 0, int trace_slot = -1,
+                             bool dry = false) {
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     const int r0 = first_row(wg);
@@ -112,13 +115,15 @@ struct Sm90EpilogueSwiGLU {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = r0 + half * 8;
-        if (r >= t.rows_valid) continue;
+        // dry: no row is valid, so the loop runs (for its instructions) and stores nothing.
+        if (r >= t.rows_valid && !dry) continue;
         uint8_t* row = out + int64_t(t.row0 + r) * p.out_ld + out_col;
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
-          *reinterpret_cast<uint16_t*>(row + 8 * i) =
-              quant::encode_e4m3x2_times(a[4 * i + 2 * half], a[4 * i + 2 * half + 1], inv[half]);
-        if (lane % 4 == 0) p.out_scale[int64_t(t.n_block) * p.scale_stride + t.row0 + r] = s[half];
+        for (int i = 0; i < 16; ++i) {
+          const uint16_t codes = quant::encode_e4m3x2_times(a[4 * i + 2 * half], a[4 * i + 2 * half + 1], inv[half]);
+          if (!dry) *reinterpret_cast<uint16_t*>(row + 8 * i) = codes;
+        }
+        if (!dry && lane % 4 == 0) p.out_scale[int64_t(t.n_block) * p.scale_stride + t.row0 + r] = s[half];
       }
     } else {
       uint16_t* out = static_cast<uint16_t*>(p.out);

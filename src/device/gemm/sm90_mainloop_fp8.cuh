@@ -98,11 +98,24 @@ struct Sm90Fp8Mainloop {
   // wait expired); st then names it.
   // kPairK: two K blocks per loop trip (the standalone kernels); the fused kernel, at its register
   // cap, keeps one per trip.
-  template <bool kKeepLast = false, bool kPairK = false>
-  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks, int wg, bool idle) {
+  // kCoverIdle (the megakernel's decode variant, no kept stage): in a tile where the second
+  // warpgroup is idle (`cover` in the first warpgroup, `idle` in the second), the idle warpgroup
+  // takes and releases only the tile's first stage (it read the tile's slot there) and skips the
+  // others, which the first warpgroup's warps release for both (two arrivals each). Why: the idle
+  // warpgroup is then free during the mainloop (sm90_math_tiles runs its epilogue's code there once,
+  // so that the working warpgroup finds it in the instruction cache), and nothing it does can hold
+  // a stage. Why the first stage stays shared: its slot names the tile, and a stage released for
+  // the idle warpgroup before it read the slot could be refilled under it.
+  template <bool kKeepLast = false, bool kPairK = false, bool kCoverIdle = false>
+  __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks, int wg, bool idle,
+                             bool cover = false) {
+    static_assert(!kCoverIdle || (!kKeepLast && !kPairK), "the covered release is for the fused decode loop");
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    if (idle) return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
+    if (idle) {
+      if constexpr (kCoverIdle) return skip_through(pipe, st, num_k_blocks, lane);
+      return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
+    }
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;  // this thread's first row in the tile
     // Why 32-bit shared-window addresses from one live base: with generic pointers the loop
     // converted them on every K block (S2R of the shared window base, 64-bit math) on the path
@@ -152,7 +165,11 @@ struct Sm90Fp8Mainloop {
         // Why __syncwarp: lane 0 arrives for the whole warp, so every lane's scale loads from the
         // stage must be ordered before its arrival (see block_math).
         __syncwarp();
-        if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
+        if constexpr (kCoverIdle) {
+          if (lane == 0) pipe.consumer_release(bars_s, st, cover && kb > 0 ? 2u : 1u);
+        } else {
+          if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
+        }
       });
       ++st;
     };
@@ -258,6 +275,15 @@ struct Sm90Fp8Mainloop {
       if (lane == 0 && (!keep_last || kb + 1 < num_k_blocks)) pipe.consumer_release(st);
       ++st;
     }
+    return true;
+  }
+
+  // The idle warpgroup's side of kCoverIdle (see run): the tile's first stage, then past the rest.
+  __device__ static bool skip_through(const Pipe& pipe, State& st, int num_k_blocks, int lane) {
+    if (!pipe.consumer_wait(st)) return false;
+    __syncwarp();
+    if (lane == 0) pipe.consumer_release(st);
+    for (int kb = 0; kb < num_k_blocks; ++kb) ++st;
     return true;
   }
 };

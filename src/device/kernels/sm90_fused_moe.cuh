@@ -186,11 +186,15 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
-  gemm::MathTilesResult r =
-      gemm::sm90_math_tiles<L1, false>(p1, pipe, st, wg, ready, 0u, from_slots, l1_release_at_once);
+  // The FP8 decode variant: the idle warpgroup of small tiles runs each GEMM's epilogue code once
+  // beside the first warpgroup's mainloop (sm90_math_tiles, kIdleWarm).
+  constexpr bool kIdleWarm = L1::kFp8 && !L2::kHasStorer;
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, false, kIdleWarm>(p1, pipe, st, wg, ready, 0u,
+                                                                               from_slots, l1_release_at_once);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
-  if (r.ok) r = gemm::sm90_math_tiles<L2>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
+  if (r.ok)
+    r = gemm::sm90_math_tiles<L2, true, false, kIdleWarm>(p2, pipe, st, wg, nullptr, r.tiles_staged, from_slots);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL2Done);
   diag::trace(diag::kFusedMathL2, 128);
   // Why: the warps of a warpgroup must meet between two setmaxnreg (PTX ISA), and a block without

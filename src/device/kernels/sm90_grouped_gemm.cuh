@@ -65,6 +65,9 @@ inline constexpr uint32_t kMathBarrierBase = 1;
 // 3 is the fused kernel's roles-done barrier; 4 is the deferred epilogue's, for both math
 // warpgroups (256 threads).
 inline constexpr uint32_t kBothMathBarrier = 4;
+// 5: the first math warpgroup's mainloop is done, for the idle second one (sm90_math_tiles with
+// kIdleWarm; 256 threads).
+inline constexpr uint32_t kCoverBarrier = 5;
 
 template <bool kFp8_, Sm90Epilogue kEpi, int kStages_>
 struct Sm90GroupedGemmConfig {
@@ -163,13 +166,23 @@ struct MathTilesResult {
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
 // storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
+// kIdleWarm (the megakernel's decode variant, FP8): in a tile of <= 64 rows the idle second math
+// warpgroup takes only the tile's first stage (Sm90Fp8Mainloop::run with kCoverIdle), and in the
+// first such tile of each GEMM it runs the inline epilogue's code on rows it does not store, while
+// the first warpgroup runs the mainloop. Why: a block's first epilogue of each GEMM waited for its
+// instructions (ncu, one H200, Qwen3-like shape at 128 tokens: 64% of the L1 epilogue's stall
+// samples "no instruction"; the trace build: a first L1 epilogue ~7-9 us against ~3 for later ones,
+// a first L2 epilogue ~4.5 against ~1.1). Run by the same warpgroup before its first tile, that
+// fetch only moved ahead of the mainloop (DESIGN.md, "A warm epilogue pass"). The idle warpgroup
+// then waits on kCoverBarrier until the first one's mainloop is done: only then has every stage it
+// skipped landed, so that its next stage wait (by parity) cannot match a stale phase.
 // from_slots (the fused kernel): the producer publishes the tile sequence
 // (Sm90TmaProducer::run with publish_tiles; its blocks may claim tiles from a grid-wide counter)
 // and each tile's index is read from the claim slot of the stage that carries its first K block,
 // after the wait for that stage (which the mainloop's own first wait then finds complete); the
 // producer's end mark (kNoMoreTiles) ends the loop, and its stage is released at once. Without
 // from_slots both roles walk the static order, as in the standalone kernels.
-template <class Cfg, bool kEndStorer = true, bool kPairK = false>
+template <class Cfg, bool kEndStorer = true, bool kPairK = false, bool kIdleWarm = false>
 __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmParams& p,
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
@@ -195,6 +208,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
   };
   constexpr int kTraceGemm = Cfg::kSwiGLU ? 0 : 1;
   int trace_slot = 0;
+  static_assert(!kIdleWarm || (Cfg::kFp8 && !Cfg::kHasStorer && !kPairK),
+                "the idle warpgroup's warm pass is for the FP8 decode variant's inline epilogues");
+  bool warmed = false;  // kIdleWarm: this GEMM's epilogue code has run once on this warpgroup
   for (;;) {
     // from_slots: the tile is known only from its slot. Otherwise the producer walks the static
     // order without publishing it, and so does this, as the standalone kernels do (the tile's first
@@ -217,6 +233,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
     // rows would take tensor time from the first one's.
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
+    // kIdleWarm: this is the first warpgroup and the second one is idle (it releases for both).
+    const bool cover = kIdleWarm && wg == 0 && tile.rows_valid <= kWarpgroupM;
     // A timeout leaves a deferred release unsent: other blocks' L2 producers may then report
     // their own timeout first; the trap ends the grid either way (fatal path only).
     // Why only full tiles through the deferred store: its TMA stores write whole 64-row slabs, and
@@ -233,6 +251,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       else
         ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, wg, idle)
                       : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, wg, idle);
+    } else if constexpr (kIdleWarm) {
+      ok = Mainloop::template run<false, false, true>(acc, pipe, st, num_k_blocks, wg, idle, cover);
+      if (ok && cover) ptx::named_barrier_arrive(kCoverBarrier, 256);
     } else {
       ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, wg, idle)
                     : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, wg, idle);
@@ -281,20 +302,27 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
         continue;
       }
     }
-    if (!idle) {
+    // kIdleWarm: the idle warpgroup's warm pass stores nothing (no row of its 64 is valid; the L1
+    // epilogue's `dry` keeps its stores off, the L2 one writes only this warpgroup's staging tile).
+    const bool warm = kIdleWarm && idle && !warmed;
+    if (!idle || warm) {
       if constexpr (Cfg::kSwiGLU) {
-        Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1);
+        Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1, kIdleWarm && idle);
       } else {
         Sm90EpilogueStoreBf16::run(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
                                    kMathBarrierBase + uint32_t(wg));
       }
     }
+    warmed = warmed || warm;
     diag::tile_trace(kTraceGemm, trace_slot - 1, 3);
     if (done) {
       pending = tile.row0 / kBlockM;
       if constexpr (!Cfg::kHasStorer) {
         if (release_at_once) release_pending();
       }
+    }
+    if constexpr (kIdleWarm) {
+      if (idle) ptx::named_barrier_sync(kCoverBarrier, 256);
     }
     diag::tile_trace(kTraceGemm, trace_slot - 1, 2);
   }

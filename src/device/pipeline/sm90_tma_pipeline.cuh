@@ -128,6 +128,11 @@ struct TmaPipeline {
   __device__ __forceinline__ void consumer_release(uint32_t bars_s, const State& st) const {
     ptx::mbarrier_arrive_release_cta_s(bars_s + uint32_t(kStages) * 8u + st.index * 8u);
   }
+  // `count` arrivals at once: a warp that releases the stage for itself and for a warp of the other
+  // math warpgroup which skips it (Sm90Fp8Mainloop::run with kCoverIdle).
+  __device__ __forceinline__ void consumer_release(uint32_t bars_s, const State& st, uint32_t count) const {
+    ptx::mbarrier_arrive_count_release_cta_s(bars_s + uint32_t(kStages) * 8u + st.index * 8u, count);
+  }
   // Called by one lane of each consumer warp once the warp's reads of the stage are complete.
   __device__ __forceinline__ void consumer_release(const State& st) const {
     ptx::mbarrier_arrive_release_cta_s(empty_s + st.index * 8u);
