@@ -19,7 +19,7 @@ cmake --build "$build" -j "$(nproc)"
 rm -rf .gpu/bin && mkdir -p .gpu/bin
 # The peers of ../shared/peers (DeepGEMM's wheels and their scripts) for gpu_all.sh peer-gemm.
 if [ -d ../shared/peers ]; then rm -rf .gpu/peers && cp -r ../shared/peers .gpu/peers && chmod -R u+w .gpu/peers; fi
-for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe epmoe-gather-probe epmoe-tma-probe epmoe-launch-probe; do
+for b in epmoe-gpu-check epmoe_gpu_tests epmoe_mgpu_tests epmoe-bench epmoe_unit_tests epmoe-wgmma-probe epmoe-gather-probe epmoe-tma-probe epmoe-launch-probe epmoe-icache-probe; do
   [ -x "$build/$b" ] && cp "$build/$b" .gpu/bin/ && strip --strip-debug .gpu/bin/$b || true
 done
 # EPMOE_STAGE_TRACE=1: also the trace build of epmoe-bench (device/debug/diag_trace.cuh) as

@@ -457,6 +457,7 @@ comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, co
   p.num_tokens = int(num_tokens);
   p.pool = m.ws->pool;
   p.pool_layout = m.pool_layout;
+  p.off = layout::comm_offsets(m.shape, m.pool_layout);
   p.sym = m.peers();
   p.local_ws = m.ws->local_ws;
   p.pow2_scales = m.cfg.pow2_scales;
@@ -474,6 +475,7 @@ comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void
   p.rank = m.comm().rank();
   p.pool = m.ws->pool;
   p.pool_layout = m.pool_layout;
+  p.off = layout::comm_offsets(m.shape, m.pool_layout);
   p.y = static_cast<uint16_t*>(y);
   p.sym = m.peers();
   p.local_ws = m.ws->local_ws;

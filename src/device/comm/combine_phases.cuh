@@ -23,9 +23,7 @@
 namespace epmoe::comm {
 namespace combine_detail {
 
-using layout::CommLocalLayout;
 using layout::CommShape;
-using layout::CommSymLayout;
 using layout::SlotMeta;
 
 constexpr int kVecs = 4;  // 8-channel vectors per lane per pass
@@ -73,7 +71,7 @@ constexpr int kSliceVecs = 32 * kVecs;  // one work unit covers this many 8-chan
 // here; measured 3.5-9% faster at 4096 tokens than pairs); the sum order stays the slot order.
 constexpr int kRowsInFlight = 4;
 template <int kPartialBytes>
-__device__ __forceinline__ void push_partial_slice(const CombineParams& p, const CommSymLayout& sym, int src, int t,
+__device__ __forceinline__ void push_partial_slice(const CombineParams& p, const layout::CommOffsets& sym, int src, int t,
                                                    int slice, const int32_t* token_rows) {
   const CommShape& s = p.shape;
   const int K = s.topk, lane = threadIdx.x & 31, nvec = s.hidden / 8, v0 = slice * kSliceVecs;
@@ -81,7 +79,7 @@ __device__ __forceinline__ void push_partial_slice(const CombineParams& p, const
   const unsigned mask = __ballot_sync(0xFFFFFFFFu, row >= 0);
   diag::trace(diag::kCombUnitRows);
   if (mask == 0) return;
-  const char* o_pool = p.pool + p.pool_layout.o_pool_offset();
+  const char* o_pool = p.pool + p.off.o_pool_offset();
   const int64_t row_bytes = int64_t(s.hidden) * 2;
   float acc[kVecs][8] = {};
   // mask is warp-uniform, so every branch on it below is too (the shuffles need the whole warp).
@@ -121,7 +119,7 @@ __device__ __forceinline__ void push_partial_slice(const CombineParams& p, const
 
 // Phase B for one slice of one of our tokens: y[t] = bf16(sum over expert ranks, in rank order).
 template <int kPartialBytes>
-__device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const CommSymLayout& sym, int t,
+__device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const layout::CommOffsets& sym, int t,
                                                    int slice) {
   const CommShape& s = p.shape;
   const int K = s.topk, lane = threadIdx.x & 31, nvec = s.hidden / 8, E_loc = s.experts_per_rank();
@@ -176,8 +174,8 @@ __device__ __forceinline__ void reduce_token_slice(const CombineParams& p, const
 template <int kPartialBytes, int kWarps>
 __device__ __forceinline__ void combine_phases(const CombineParams& p) {
   const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
-  const CommLocalLayout loc{s};
+  const layout::CommOffsets& sym = p.off;
+  const layout::CommOffsets& loc = p.off;
   const int R = s.num_ranks;
   const int nwarps = gridDim.x * kWarps;
   char* me = p.sym.ptr[p.rank];

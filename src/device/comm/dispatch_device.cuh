@@ -17,14 +17,13 @@ namespace epmoe::comm::dispatch_detail {
 
 using layout::CommLocalLayout;
 using layout::CommShape;
-using layout::CommSymLayout;
 using layout::SlotMeta;
 
 constexpr int kPullVecs = 8;                 // 16-byte vectors per lane in flight while pulling
 constexpr int kSliceVecs = 32 * kPullVecs;   // one work unit pulls this many vectors of a token row
 constexpr int kQuantPairs = 8;               // 128-channel group pairs loaded before quantizing
 
-__device__ __forceinline__ uint64_t* flag_ptr(char* base, const CommSymLayout& sym, int flag, int rank) {
+__device__ __forceinline__ uint64_t* flag_ptr(char* base, const layout::CommOffsets& sym, int flag, int rank) {
   return reinterpret_cast<uint64_t*>(base + sym.flag_offset(flag, rank));
 }
 
@@ -184,14 +183,14 @@ static_assert(kSliceVecs * 16 == 32 * layout::kScaleGroup, "an FP8 pull slice ho
 // in every lane before the warp barrier and the one release per row: the next reader is the GEMM's
 // TMA (async proxy) on any SM, and each release covers what the whole warp stored.
 template <bool kFp8, bool kArrive = false>
-__device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const CommSymLayout& sym, int src, int t,
+__device__ __forceinline__ void pull_token_slice(const DispatchParams& p, const layout::CommOffsets& sym, int src, int t,
                                                  int slice, const int* base, int32_t* token_rows, uint32_t* status,
                                                  uint32_t* arrive = nullptr) {
   const CommShape& s = p.shape;
   const int K = s.topk, E_loc = s.experts_per_rank(), lane = threadIdx.x & 31;
   const int e_first = p.rank * E_loc;
   const char* peer = p.sym.ptr[src];
-  const layout::ExpertPoolLayout& pl = p.pool_layout;
+  const layout::CommOffsets& pl = p.off;
   const int64_t row_bytes = s.x_row_bytes();
   const int nvec = int(row_bytes / 16), v0 = slice * kSliceVecs;
   const int G = s.scale_groups();

@@ -41,6 +41,7 @@ struct DispatchParams {
   int num_tokens;            // T of this rank
   char* pool;                // laid out by pool_layout
   layout::ExpertPoolLayout pool_layout;
+  layout::CommOffsets off;   // layout::comm_offsets(shape, pool_layout): what the kernels read
   PeerPtrs sym;              // the symmetric allocation on every rank (sym.ptr[rank] is ours)
   char* local_ws;            // CommLocalLayout
   bool pow2_scales;
@@ -57,6 +58,7 @@ struct CombineParams {
   int rank;
   const char* pool;          // reads o_pool
   layout::ExpertPoolLayout pool_layout;
+  layout::CommOffsets off;   // layout::comm_offsets(shape, pool_layout)
   uint16_t* y;               // [T][H] bf16, T of the matching dispatch
   PeerPtrs sym;
   char* local_ws;

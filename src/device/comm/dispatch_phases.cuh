@@ -56,7 +56,7 @@ struct NoLayoutHook {
 // (this rank's symmetric buffer). seg[e] is the expert's first pool row.
 __device__ __forceinline__ int segment_rows_used(const DispatchParams& p, const int* smem, int e) {
   const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
+  const layout::CommOffsets& sym = p.off;
   const int R = s.num_ranks, E_loc = s.experts_per_rank();
   const int32_t* counts = reinterpret_cast<const int32_t*>(p.sym.ptr[p.rank] + sym.counts_offset());
   return smem[(R - 1) * E_loc + e] + counts[(R - 1) * sym.counts_stride() + e] - smem[R * E_loc + e];
@@ -66,10 +66,10 @@ __device__ __forceinline__ int segment_rows_used(const DispatchParams& p, const 
 __device__ __forceinline__ void write_pool_counts(const DispatchParams& p, const int* smem, const int* tokens_of) {
   const int R = p.shape.num_ranks, E_loc = p.shape.experts_per_rank();
   const int* seg = smem + R * E_loc;
-  const layout::ExpertPoolLayout& pl = p.pool_layout;
+  const layout::CommOffsets& pl = p.off;
   int32_t* ecount = reinterpret_cast<int32_t*>(p.pool + pl.expert_count_offset());
   int32_t* eoff = reinterpret_cast<int32_t*>(p.pool + pl.expert_offset_offset());
-  int32_t* recv_tokens = reinterpret_cast<int32_t*>(p.local_ws + CommLocalLayout{p.shape}.recv_tokens_offset());
+  int32_t* recv_tokens = reinterpret_cast<int32_t*>(p.local_ws + p.off.recv_tokens_offset());
   for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) {
     eoff[e] = seg[e];
     if (e < E_loc) ecount[e] = segment_rows_used(p, smem, e);
@@ -81,8 +81,8 @@ __device__ __forceinline__ void write_pool_counts(const DispatchParams& p, const
 // reading its staging, reset the cursors, advance the epoch (this call's, `epoch`).
 __device__ __forceinline__ void dispatch_finish(const DispatchParams& p, uint64_t epoch) {
   const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
-  const CommLocalLayout loc{s};
+  const layout::CommOffsets& sym = p.off;
+  const layout::CommOffsets& loc = p.off;
   if (threadIdx.x < s.num_ranks)
     ptx::st_release_sys(p.sym.at<uint64_t>(threadIdx.x, sym.flag_offset(layout::kFlagDispatchReadDone, p.rank)), epoch);
   int32_t* cursor = reinterpret_cast<int32_t*>(p.local_ws + loc.cursor_offset());
@@ -95,7 +95,7 @@ __device__ __forceinline__ void dispatch_finish(const DispatchParams& p, uint64_
 // start and dispatch_finish), so that no register holds it through the GEMM phase.
 __device__ __forceinline__ void dispatch_finish_reread(const DispatchParams& p) {
   const auto* epoch_word =
-      reinterpret_cast<const uint64_t*>(p.local_ws + CommLocalLayout{p.shape}.dispatch_epoch_offset());
+      reinterpret_cast<const uint64_t*>(p.local_ws + p.off.dispatch_epoch_offset());
   const uint64_t epoch = ptx::ld_ca_u64(epoch_word) + 1;
   __syncthreads();  // every thread has read the word before thread 0 advances it
   dispatch_finish(p, epoch);
@@ -105,8 +105,8 @@ template <bool kFp8, int kWarps, bool kMegakernel = false, class AfterLayout = N
 __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* smem,
                                                 const AfterLayout& after_layout = AfterLayout{}) {
   const CommShape& s = p.shape;
-  const CommSymLayout sym{s};
-  const CommLocalLayout loc{s};
+  const layout::CommOffsets& sym = p.off;
+  const layout::CommOffsets& loc = p.off;
   const int R = s.num_ranks, E_loc = s.experts_per_rank();
   const int nwarps = gridDim.x * kWarps;
   char* me = p.sym.ptr[p.rank];
@@ -201,7 +201,7 @@ __device__ __forceinline__ void dispatch_phases(const DispatchParams& p, int* sm
   }
   diag::trace(diag::kDispLayout);
 
-  const layout::ExpertPoolLayout& pl = p.pool_layout;
+  const layout::CommOffsets& pl = p.off;
   // Why the last warp: the hook's weight prefetch (the fused kernel, off by default) then does not
   // delay warp 0's pull unit (unit 0 of a small call). (Its bytes still delay the pull's loads:
   // measured in the per-block trace.)

@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   __syncthreads();
   diag::trace(diag::kFusedInit);
 
-  const layout::CommLocalLayout loc{p.dispatch.shape};
+  const layout::CommOffsets& loc = p.dispatch.off;
   uint32_t* status = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.status_offset());
   uint32_t* barrier_word = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.grid_barrier_offset());
   uint32_t* ready = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.mblock_ready_offset());

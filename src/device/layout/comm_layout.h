@@ -163,6 +163,91 @@ struct CommLocalLayout {
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }
 };
 
+// Every shape-dependent offset and stride that the comm phases (in their kernels and in the
+// megakernel) read, resolved on the host from the three layouts above (comm_offsets) and passed in
+// the kernels' parameters. The accessors keep the layouts' names, so device code reads
+// `off.stage_x_offset()` as it read `sym.stage_x_offset()`; the constant ones forward to the
+// layouts. Why: computed from the shape at each use, the region chains (each offset the rounded sum
+// of every region before it, the pool's row count a 64-bit division by row_align) came to ~1,500 of
+// the ~9,400 distinct SASS instructions that a megakernel decode call runs. The code an SM runs once
+// per call comes from its instruction caches, whose capacity such a call exceeds (epmoe-icache-probe:
+// straight-line code of 128 KB stays cached from pass to pass and launch to launch, 160 KB does not),
+// so each instruction costs its fetch (docs/DESIGN.md, "What bounds the layer now").
+struct CommOffsets {
+  // CommSymLayout
+  int64_t counts, stage_x, stage_scale, stage_meta, partials, counts_stride_, partial_row_bytes_;
+  // CommLocalLayout
+  int64_t cursor, token_rows, recv_tokens, mblock_ready, mblock_arrive, tile_claim, mblock_ready_count_;
+  // ExpertPoolLayout
+  int64_t x_pool, x_scale, row_weight, row_source, expert_count, expert_offset, o_pool, scale_stride_, max_rows_;
+
+  EPMOE_HD int64_t flag_offset(int flag, int rank) const { return CommSymLayout{}.flag_offset(flag, rank); }
+  EPMOE_HD int64_t counts_offset() const { return counts; }
+  EPMOE_HD int64_t stage_x_offset() const { return stage_x; }
+  EPMOE_HD int64_t stage_scale_offset() const { return stage_scale; }
+  EPMOE_HD int64_t stage_meta_offset() const { return stage_meta; }
+  EPMOE_HD int64_t partials_offset() const { return partials; }
+  EPMOE_HD int64_t counts_stride() const { return counts_stride_; }
+  EPMOE_HD int64_t partial_row_bytes() const { return partial_row_bytes_; }
+
+  EPMOE_HD int64_t status_offset() const { return CommLocalLayout{}.status_offset(); }
+  EPMOE_HD int64_t grid_barrier_offset() const { return CommLocalLayout{}.grid_barrier_offset(); }
+  EPMOE_HD int64_t dispatch_arrive_offset() const { return CommLocalLayout{}.dispatch_arrive_offset(); }
+  EPMOE_HD int64_t combine_arrive_offset() const { return CommLocalLayout{}.combine_arrive_offset(); }
+  EPMOE_HD int64_t dispatch_epoch_offset() const { return CommLocalLayout{}.dispatch_epoch_offset(); }
+  EPMOE_HD int64_t combine_epoch_offset() const { return CommLocalLayout{}.combine_epoch_offset(); }
+  EPMOE_HD int64_t combine_done_arrive_offset() const { return CommLocalLayout{}.combine_done_arrive_offset(); }
+  EPMOE_HD int64_t routing_report_offset() const { return CommLocalLayout{}.routing_report_offset(); }
+  EPMOE_HD int64_t cursor_offset() const { return cursor; }
+  EPMOE_HD int64_t token_rows_offset() const { return token_rows; }
+  EPMOE_HD int64_t recv_tokens_offset() const { return recv_tokens; }
+  EPMOE_HD int64_t mblock_ready_offset() const { return mblock_ready; }
+  EPMOE_HD int64_t mblock_arrive_offset() const { return mblock_arrive; }
+  EPMOE_HD int64_t tile_claim_offset() const { return tile_claim; }
+  EPMOE_HD int64_t mblock_ready_count() const { return mblock_ready_count_; }
+
+  EPMOE_HD int64_t x_pool_offset() const { return x_pool; }
+  EPMOE_HD int64_t x_scale_offset() const { return x_scale; }
+  EPMOE_HD int64_t row_weight_offset() const { return row_weight; }
+  EPMOE_HD int64_t row_source_offset() const { return row_source; }
+  EPMOE_HD int64_t expert_count_offset() const { return expert_count; }
+  EPMOE_HD int64_t expert_offset_offset() const { return expert_offset; }
+  EPMOE_HD int64_t o_pool_offset() const { return o_pool; }
+  EPMOE_HD int64_t scale_stride() const { return scale_stride_; }
+  EPMOE_HD int64_t max_rows() const { return max_rows_; }
+};
+
+// The host's side of CommOffsets: the layouts' own values, once.
+inline CommOffsets comm_offsets(const CommShape& s, const ExpertPoolLayout& pool) {
+  const CommSymLayout sym{s};
+  const CommLocalLayout loc{s};
+  CommOffsets o{};
+  o.counts = sym.counts_offset();
+  o.stage_x = sym.stage_x_offset();
+  o.stage_scale = sym.stage_scale_offset();
+  o.stage_meta = sym.stage_meta_offset();
+  o.partials = sym.partials_offset();
+  o.counts_stride_ = sym.counts_stride();
+  o.partial_row_bytes_ = sym.partial_row_bytes();
+  o.cursor = loc.cursor_offset();
+  o.token_rows = loc.token_rows_offset();
+  o.recv_tokens = loc.recv_tokens_offset();
+  o.mblock_ready = loc.mblock_ready_offset();
+  o.mblock_arrive = loc.mblock_arrive_offset();
+  o.tile_claim = loc.tile_claim_offset();
+  o.mblock_ready_count_ = loc.mblock_ready_count();
+  o.x_pool = pool.x_pool_offset();
+  o.x_scale = pool.x_scale_offset();
+  o.row_weight = pool.row_weight_offset();
+  o.row_source = pool.row_source_offset();
+  o.expert_count = pool.expert_count_offset();
+  o.expert_offset = pool.expert_offset_offset();
+  o.o_pool = pool.o_pool_offset();
+  o.scale_stride_ = pool.scale_stride();
+  o.max_rows_ = pool.max_rows();
+  return o;
+}
+
 // The expert pool that a dispatch with this shape fills (a_pool sized for `intermediate`).
 inline ExpertPoolShape pool_shape_for(const CommShape& s, int intermediate, int row_align) {
   return ExpertPoolShape{s.num_ranks, s.experts_per_rank(), s.hidden, intermediate, s.topk, s.max_tokens, row_align, s.fp8};
