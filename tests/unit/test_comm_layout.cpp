@@ -131,4 +131,57 @@ TEST(CommLayout, PoolHoldsKRowsPerTokenWhenKExceedsLocalExperts) {
   EXPECT_EQ(CommLocalLayout{s}.token_rows_bytes(), int64_t(2) * 96 * 8 * 4);
 }
 
+// The offsets the kernels read (CommOffsets) are the layouts' own, for shapes with and without a
+// workspace's room, odd row alignments and both dtypes.
+TEST(CommLayout, ResolvedOffsetsMatchTheLayouts) {
+  CommShape shapes[] = {
+      {4, 128, 7168, 8, 4096, true, 2},
+      {2, 64, 2048, 8, 128, false, 4},
+      {8, 8, 128, 8, 96, true, 4},
+      {3, 9, 384, 2, 77, true, 2},
+  };
+  shapes[1].cap = {64, 7168, 8, 7168, 56, 4};  // a workspace sized for a larger layer
+  for (const CommShape& s : shapes) {
+    for (int row_align : {1, 64, 128, 1000}) {
+      const epmoe::layout::ExpertPoolLayout pool{epmoe::layout::pool_shape_for(s, 768, row_align)};
+      const epmoe::layout::CommOffsets o = epmoe::layout::comm_offsets(s, pool);
+      const CommSymLayout sym{s};
+      const CommLocalLayout loc{s};
+      EXPECT_EQ(o.counts_offset(), sym.counts_offset());
+      EXPECT_EQ(o.stage_x_offset(), sym.stage_x_offset());
+      EXPECT_EQ(o.stage_scale_offset(), sym.stage_scale_offset());
+      EXPECT_EQ(o.stage_meta_offset(), sym.stage_meta_offset());
+      EXPECT_EQ(o.partials_offset(), sym.partials_offset());
+      EXPECT_EQ(o.counts_stride(), sym.counts_stride());
+      EXPECT_EQ(o.partial_row_bytes(), sym.partial_row_bytes());
+      for (int f = 0; f < epmoe::layout::kNumFlags; ++f)
+        for (int r = 0; r < s.num_ranks; ++r) EXPECT_EQ(o.flag_offset(f, r), sym.flag_offset(f, r));
+      EXPECT_EQ(o.status_offset(), loc.status_offset());
+      EXPECT_EQ(o.grid_barrier_offset(), loc.grid_barrier_offset());
+      EXPECT_EQ(o.dispatch_arrive_offset(), loc.dispatch_arrive_offset());
+      EXPECT_EQ(o.combine_arrive_offset(), loc.combine_arrive_offset());
+      EXPECT_EQ(o.dispatch_epoch_offset(), loc.dispatch_epoch_offset());
+      EXPECT_EQ(o.combine_epoch_offset(), loc.combine_epoch_offset());
+      EXPECT_EQ(o.combine_done_arrive_offset(), loc.combine_done_arrive_offset());
+      EXPECT_EQ(o.routing_report_offset(), loc.routing_report_offset());
+      EXPECT_EQ(o.cursor_offset(), loc.cursor_offset());
+      EXPECT_EQ(o.token_rows_offset(), loc.token_rows_offset());
+      EXPECT_EQ(o.recv_tokens_offset(), loc.recv_tokens_offset());
+      EXPECT_EQ(o.mblock_ready_offset(), loc.mblock_ready_offset());
+      EXPECT_EQ(o.mblock_arrive_offset(), loc.mblock_arrive_offset());
+      EXPECT_EQ(o.tile_claim_offset(), loc.tile_claim_offset());
+      EXPECT_EQ(o.mblock_ready_count(), loc.mblock_ready_count());
+      EXPECT_EQ(o.x_pool_offset(), pool.x_pool_offset());
+      EXPECT_EQ(o.x_scale_offset(), pool.x_scale_offset());
+      EXPECT_EQ(o.row_weight_offset(), pool.row_weight_offset());
+      EXPECT_EQ(o.row_source_offset(), pool.row_source_offset());
+      EXPECT_EQ(o.expert_count_offset(), pool.expert_count_offset());
+      EXPECT_EQ(o.expert_offset_offset(), pool.expert_offset_offset());
+      EXPECT_EQ(o.o_pool_offset(), pool.o_pool_offset());
+      EXPECT_EQ(o.scale_stride(), pool.scale_stride());
+      EXPECT_EQ(o.max_rows(), pool.max_rows());
+    }
+  }
+}
+
 }  // namespace
