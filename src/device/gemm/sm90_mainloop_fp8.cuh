@@ -98,9 +98,9 @@ struct Sm90Fp8Mainloop {
   // wait expired); st then names it.
   // kPairK: two K blocks per loop trip (the standalone kernels); the fused kernel, at its register
   // cap, keeps one per trip.
-  // kCoverIdle (the megakernel's decode variant, no kept stage): in a tile where the second
-  // warpgroup is idle (`cover` in the first warpgroup, `idle` in the second), the idle warpgroup
-  // takes and releases only the tile's first stage (it read the tile's slot there) and skips the
+  // kCoverIdle (the megakernel's decode variant, no kept stage): in a `covered` tile (the second
+  // warpgroup idle, more K blocks than stages; sm90_math_tiles decides), the idle warpgroup takes
+  // and releases only the tile's first stage (it read the tile's slot there) and skips the
   // others, which the first warpgroup's warps release for both (two arrivals each). Why: the idle
   // warpgroup is then free during the mainloop (sm90_math_tiles runs its epilogue's code there once,
   // so that the working warpgroup finds it in the instruction cache), and nothing it does can hold
@@ -108,12 +108,14 @@ struct Sm90Fp8Mainloop {
   // the idle warpgroup before it read the slot could be refilled under it.
   template <bool kKeepLast = false, bool kPairK = false, bool kCoverIdle = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks, int wg, bool idle,
-                             bool cover = false) {
+                             bool covered = false) {
     static_assert(!kCoverIdle || (!kKeepLast && !kPairK), "the covered release is for the fused decode loop");
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     if (idle) {
-      if constexpr (kCoverIdle) return skip_through(pipe, st, num_k_blocks, lane);
+      if constexpr (kCoverIdle) {
+        if (covered) return skip_through(pipe, st, num_k_blocks, lane);
+      }
       return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
     }
     const int r0 = wg * kWarpgroupM + warp * 16 + lane / 4;  // this thread's first row in the tile
@@ -166,7 +168,7 @@ struct Sm90Fp8Mainloop {
         // stage must be ordered before its arrival (see block_math).
         __syncwarp();
         if constexpr (kCoverIdle) {
-          if (lane == 0) pipe.consumer_release(bars_s, st, cover && kb > 0 ? 2u : 1u);
+          if (lane == 0) pipe.consumer_release(bars_s, st, covered && kb > 0 ? 2u : 1u);
         } else {
           if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
         }

@@ -166,16 +166,22 @@ struct MathTilesResult {
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
 // storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
-// kIdleWarm (the megakernel's decode variant, FP8): in a tile of <= 64 rows the idle second math
-// warpgroup takes only the tile's first stage (Sm90Fp8Mainloop::run with kCoverIdle), and in the
-// first such tile of each GEMM it runs the inline epilogue's code on rows it does not store, while
-// the first warpgroup runs the mainloop. Why: a block's first epilogue of each GEMM waited for its
-// instructions (ncu, one H200, Qwen3-like shape at 128 tokens: 64% of the L1 epilogue's stall
-// samples "no instruction"; the trace build: a first L1 epilogue ~7-9 us against ~3 for later ones,
-// a first L2 epilogue ~4.5 against ~1.1). Run by the same warpgroup before its first tile, that
+// kIdleWarm (the megakernel's decode variant, FP8): in a tile of <= 64 rows of a GEMM with more K
+// blocks than ring stages, the idle second math warpgroup takes only the tile's first stage
+// (Sm90Fp8Mainloop::run with kCoverIdle), and in the first such tile of each GEMM it runs the
+// inline epilogue's code on rows it does not store, while the first warpgroup runs the mainloop.
+// Why: a block's first epilogue of each GEMM waited for its instructions (ncu, one H200,
+// Qwen3-like shape at 128 tokens: 64% of the L1 epilogue's stall samples "no instruction"; the
+// trace build: a first L1 epilogue ~7-9 us against ~3 for later ones, a first L2 epilogue ~4.5
+// against ~1.1). Run by the same warpgroup before its first tile, that
 // fetch only moved ahead of the mainloop (DESIGN.md, "A warm epilogue pass"). The idle warpgroup
 // then waits on kCoverBarrier until the first one's mainloop is done: only then has every stage it
-// skipped landed, so that its next stage wait (by parity) cannot match a stale phase.
+// skipped landed, so that its next stage wait (by parity) cannot match a stale phase. Why more K
+// blocks than stages: the first warpgroup then cannot finish its next tile's mainloop (nor, in L2,
+// its first one after L1's end mark) before the idle one released that tile's first stage (or the
+// end mark), which it does after its barrier wait; so the first warpgroup never arrives twice on
+// kCoverBarrier before the idle one waited once. With <= kStages K blocks (K <= 512 in FP8: an H or
+// I of at most 512) it could, so there both warpgroups take every stage as in the other variants.
 // from_slots (the fused kernel): the producer publishes the tile sequence
 // (Sm90TmaProducer::run with publish_tiles; its blocks may claim tiles from a grid-wide counter)
 // and each tile's index is read from the claim slot of the stage that carries its first K block,
@@ -233,8 +239,9 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // Why: in decode most tiles hold <= 64 tokens, and the second warpgroup's wgmma on padding
     // rows would take tensor time from the first one's.
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
-    // kIdleWarm: this is the first warpgroup and the second one is idle (it releases for both).
-    const bool cover = kIdleWarm && wg == 0 && tile.rows_valid <= kWarpgroupM;
+    // kIdleWarm: the second warpgroup is idle and takes only the first stage; the first warpgroup
+    // releases the others for both.
+    const bool covered = kIdleWarm && num_k_blocks > Cfg::kStages && tile.rows_valid <= kWarpgroupM;
     // A timeout leaves a deferred release unsent: other blocks' L2 producers may then report
     // their own timeout first; the trap ends the grid either way (fatal path only).
     // Why only full tiles through the deferred store: its TMA stores write whole 64-row slabs, and
@@ -252,8 +259,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
         ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, wg, idle)
                       : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, wg, idle);
     } else if constexpr (kIdleWarm) {
-      ok = Mainloop::template run<false, false, true>(acc, pipe, st, num_k_blocks, wg, idle, cover);
-      if (ok && cover) ptx::named_barrier_arrive(kCoverBarrier, 256);
+      ok = Mainloop::template run<false, false, true>(acc, pipe, st, num_k_blocks, wg, idle, covered);
+      if (ok && covered && !idle) ptx::named_barrier_arrive(kCoverBarrier, 256);
     } else {
       ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, wg, idle)
                     : Mainloop::template run<false, false>(acc, pipe, st, num_k_blocks, wg, idle);
@@ -304,10 +311,10 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     }
     // kIdleWarm: the idle warpgroup's warm pass stores nothing (no row of its 64 is valid; the L1
     // epilogue's `dry` keeps its stores off, the L2 one writes only this warpgroup's staging tile).
-    const bool warm = kIdleWarm && idle && !warmed;
+    const bool warm = covered && idle && !warmed;
     if (!idle || warm) {
       if constexpr (Cfg::kSwiGLU) {
-        Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1, kIdleWarm && idle);
+        Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1, warm);
       } else {
         Sm90EpilogueStoreBf16::run(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),
                                    kMathBarrierBase + uint32_t(wg));
@@ -322,7 +329,7 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
       }
     }
     if constexpr (kIdleWarm) {
-      if (idle) ptx::named_barrier_sync(kCoverBarrier, 256);
+      if (covered && idle) ptx::named_barrier_sync(kCoverBarrier, 256);
     }
     diag::tile_trace(kTraceGemm, trace_slot - 1, 2);
   }
