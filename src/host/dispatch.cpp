@@ -143,6 +143,7 @@ struct DispatchHandle::Impl {
   DispatchConfig cfg;
   layout::CommShape shape{};
   layout::ExpertPoolLayout pool_layout{};
+  layout::CommOffsets offsets{};  // layout::comm_offsets(shape, pool_layout), resolved at create
   int num_blocks = 0;
   heuristics::TuningOverrides overrides;  // detail::tuning_overrides(), copied at create
   int64_t last_tokens = -1;
@@ -457,7 +458,7 @@ comm::DispatchParams DispatchAccess::dispatch_params(const DispatchHandle& h, co
   p.num_tokens = int(num_tokens);
   p.pool = m.ws->pool;
   p.pool_layout = m.pool_layout;
-  p.off = layout::comm_offsets(m.shape, m.pool_layout);
+  p.off = m.offsets;
   p.sym = m.peers();
   p.local_ws = m.ws->local_ws;
   p.pow2_scales = m.cfg.pow2_scales;
@@ -475,7 +476,7 @@ comm::CombineParams DispatchAccess::combine_params(const DispatchHandle& h, void
   p.rank = m.comm().rank();
   p.pool = m.ws->pool;
   p.pool_layout = m.pool_layout;
-  p.off = layout::comm_offsets(m.shape, m.pool_layout);
+  p.off = m.offsets;
   p.y = static_cast<uint16_t*>(y);
   p.sym = m.peers();
   p.local_ws = m.ws->local_ws;
@@ -520,6 +521,7 @@ Status DispatchAccess::create_on(std::shared_ptr<WorkspaceState> ws, const Dispa
   m->shape.max_tokens = ws->shape.max_tokens;
   m->shape.cap = ws->shape.cap;
   m->pool_layout = layout::ExpertPoolLayout{layout::pool_shape_for(m->shape, cfg.intermediate, cfg.row_align)};
+  m->offsets = layout::comm_offsets(m->shape, m->pool_layout);
   const layout::CommSymLayout mine{m->shape}, room{ws->shape};
   const layout::CommLocalLayout mine_loc{m->shape}, room_loc{ws->shape};
   if (mine.num_bytes() != room.num_bytes() || mine_loc.num_bytes() != room_loc.num_bytes() ||

@@ -47,11 +47,6 @@ __global__ void __launch_bounds__(128, 1) straight_code(float* sink, long long* 
   if (a + b + c + d == 1234.5f) *sink = a;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 template <int kInstr>
 void run_size(int sms, int launches, float* sink, long long* d_cycles) {
   const int smem = 160 * 1024;  // one block per SM
@@ -66,11 +61,16 @@ void run_size(int sms, int launches, float* sink, long long* d_cycles) {
     for (int p = 0; p < kPasses; ++p) {
       std::vector<double> v;
       for (int s = 0; s < sms; ++s) v.push_back(double(h[size_t(s) * kPasses + p]) / kInstr);
-      std::printf(" %6.2f", median(v));
+      std::printf(" %6.2f", probe_median(v));
     }
     std::printf(" |");
   }
   std::printf("\n");
+}
+
+template <int... kInstr>
+void run_sizes(int sms, int launches, float* sink, long long* d_cycles) {
+  (run_size<kInstr>(sms, launches, sink, d_cycles), ...);
 }
 
 }  // namespace
@@ -94,20 +94,9 @@ int main(int argc, char** argv) {
   PROBE_CUDA(cudaMalloc(&d_cycles, size_t(sms) * kPasses * sizeof(long long)));
   std::printf("cycles per instruction (one warp per SM sub-partition), median over %d SMs; per launch: pass 1 2 3\n",
               sms);
-  run_size<1024>(sms, launches, sink, d_cycles);
-  run_size<2048>(sms, launches, sink, d_cycles);
-  run_size<4096>(sms, launches, sink, d_cycles);
-  run_size<6144>(sms, launches, sink, d_cycles);
-  run_size<8192>(sms, launches, sink, d_cycles);
-  run_size<8704>(sms, launches, sink, d_cycles);
-  run_size<9216>(sms, launches, sink, d_cycles);
-  run_size<9728>(sms, launches, sink, d_cycles);
-  run_size<10240>(sms, launches, sink, d_cycles);
-  run_size<12288>(sms, launches, sink, d_cycles);
-  run_size<16384>(sms, launches, sink, d_cycles);
-  // The same 4096-instruction kernel again after the largest one ran: does a launch of other code
-  // evict it?
-  run_size<4096>(sms, launches, sink, d_cycles);
+  // The last size again after the largest one ran: does a launch of other code evict it?
+  run_sizes<1024, 2048, 4096, 6144, 8192, 8704, 9216, 9728, 10240, 12288, 16384, 4096>(sms, launches, sink,
+                                                                                       d_cycles);
   PROBE_CUDA(cudaFree(sink));
   PROBE_CUDA(cudaFree(d_cycles));
   return 0;

@@ -34,11 +34,6 @@ __global__ void empty_kernel(const __grid_constant__ Blob<kBytes> p, int* sink) 
   if (p.b[threadIdx.x % kBytes] == 0xAB && blockIdx.x == 0x7fffffff) *sink = 1;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 template <class F>
 double time_us(int calls, int repeats, F&& f) {
   std::vector<double> per;
@@ -50,7 +45,7 @@ double time_us(int calls, int repeats, F&& f) {
     per.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
   }
   PROBE_CUDA(cudaDeviceSynchronize());
-  return median(per);
+  return probe_median(per);
 }
 
 template <int kBytes>

@@ -41,7 +41,7 @@ struct DispatchParams {
   int num_tokens;            // T of this rank
   char* pool;                // laid out by pool_layout
   layout::ExpertPoolLayout pool_layout;
-  layout::CommOffsets off;   // layout::comm_offsets(shape, pool_layout): what the kernels read
+  layout::CommOffsets off;   // layout::comm_offsets(shape, pool_layout) (once, at create): what the kernels read
   PeerPtrs sym;              // the symmetric allocation on every rank (sym.ptr[rank] is ours)
   char* local_ws;            // CommLocalLayout
   bool pow2_scales;

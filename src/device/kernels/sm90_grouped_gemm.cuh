@@ -170,18 +170,18 @@ struct MathTilesResult {
 // blocks than ring stages, the idle second math warpgroup takes only the tile's first stage
 // (Sm90Fp8Mainloop::run with kCoverIdle), and in the first such tile of each GEMM it runs the
 // inline epilogue's code on rows it does not store, while the first warpgroup runs the mainloop.
-// Why: a block's first epilogue of each GEMM waited for its instructions (ncu, one H200,
-// Qwen3-like shape at 128 tokens: 64% of the L1 epilogue's stall samples "no instruction"; the
-// trace build: a first L1 epilogue ~7-9 us against ~3 for later ones, a first L2 epilogue ~4.5
-// against ~1.1). Run by the same warpgroup before its first tile, that
-// fetch only moved ahead of the mainloop (DESIGN.md, "A warm epilogue pass"). The idle warpgroup
-// then waits on kCoverBarrier until the first one's mainloop is done: only then has every stage it
-// skipped landed, so that its next stage wait (by parity) cannot match a stale phase. Why more K
-// blocks than stages: the first warpgroup then cannot finish its next tile's mainloop (nor, in L2,
-// its first one after L1's end mark) before the idle one released that tile's first stage (or the
-// end mark), which it does after its barrier wait; so the first warpgroup never arrives twice on
-// kCoverBarrier before the idle one waited once. With <= kStages K blocks (K <= 512 in FP8: an H or
-// I of at most 512) it could, so there both warpgroups take every stage as in the other variants.
+// Why: a block's first epilogue of each GEMM waited for its instructions (ncu, one H200, Qwen3-like
+// shape at 128 tokens: 64% of the L1 epilogue's stall samples "no instruction"; the trace build: a
+// first L1 epilogue ~7-9 us against ~3 for later ones, a first L2 epilogue ~4.5 against ~1.1). Run
+// by the same warpgroup before its first tile, that fetch only moved ahead of the mainloop
+// (DESIGN.md, "A warm epilogue pass"). The idle warpgroup then waits on kCoverBarrier until the
+// first one's mainloop is done: only then has every stage it skipped landed, so that its next stage
+// wait (by parity) cannot match a stale phase. Why more K blocks than stages: the first warpgroup
+// then cannot finish its next tile's mainloop (nor, in L2, its first one after L1's end mark)
+// before the idle one released that tile's first stage (or the end mark), which it does after its
+// barrier wait; so the first warpgroup never arrives twice on kCoverBarrier before the idle one
+// waited once. With <= kStages K blocks (K <= 512 in FP8: an H or I of at most 512) it could, so
+// there both warpgroups take every stage as in the other variants.
 // from_slots (the fused kernel): the producer publishes the tile sequence
 // (Sm90TmaProducer::run with publish_tiles; its blocks may claim tiles from a grid-wide counter)
 // and each tile's index is read from the claim slot of the stage that carries its first K block,
