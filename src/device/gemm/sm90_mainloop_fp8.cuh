@@ -79,6 +79,62 @@ struct Sm90Fp8Mainloop {
       }
     }
   }
+  // block_math for the megakernel's decode K loop (run with kCoverIdle): the same wgmma products
+  // and promotions in four N quarters of 64 columns on two 32-register scratches, so that one
+  // quarter's batch runs while the one before it is promoted: Q0 and Q1 issued, then per quarter
+  // wait for the older batch, promote it, issue the next into its scratch. Why: with halves each K
+  // block waited for two whole wgmma batches and promoted each with the tensor pipe idle; a decode
+  // tile's K loop waited on that, not on its loads (ncu, one H200, R = 1, one Qwen3-like token: of
+  // the L1 loop's stall samples 37% on the wgmma waits, 3% on the stage waits). Same registers as
+  // halves (two 32-float scratches for one 64-float one). Bitwise the same acc: each output
+  // element's wgmma sum and its one promotion per K block are those of block_math.
+  template <class Release, class AfterRelease = Nothing>
+  __device__ __forceinline__ static void block_math_quarters(float (&acc)[128], float (&q0)[32], float (&q1)[32],
+                                                             uint32_t a_lo, uint32_t b_lo, float sa_lo, float sa_hi,
+                                                             uint32_t sb, const Release& release,
+                                                             const AfterRelease& after_release = {}) {
+    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;  // 64 B rows, in descriptor units
+    const auto issue = [&](float (&q)[32], int quarter) {
+      const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
+      ptx::fence_operands(q);
+      ptx::wgmma_fence_sync_aligned();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
+        ptx::wgmma_m64n64k32_f32_e4m3_e4m3(q, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
+                                           smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
+      ptx::wgmma_commit_group_sync_aligned();
+    };
+    // Quarter `quarter` holds columns 64 quarter + 8 i + ..., i.e. acc[32 quarter + 4 i + x].
+    const auto promote = [&](float (&q)[32], int quarter, float s0, float s1) {
+      ptx::fence_operands(q);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        acc[32 * quarter + 4 * i + 0] += q[4 * i + 0] * s0;
+        acc[32 * quarter + 4 * i + 1] += q[4 * i + 1] * s0;
+        acc[32 * quarter + 4 * i + 2] += q[4 * i + 2] * s1;
+        acc[32 * quarter + 4 * i + 3] += q[4 * i + 3] * s1;
+      }
+    };
+    const float sb_0 = ptx::ld_shared_f32(sb);
+    issue(q0, 0);
+    issue(q1, 1);
+    const float sb_1 = ptx::ld_shared_f32(sb + 4u);
+    const float s00 = sa_lo * sb_0, s01 = sa_hi * sb_0;
+    ptx::wgmma_wait_group_sync_aligned<1>();
+    promote(q0, 0, s00, s01);
+    issue(q0, 2);
+    ptx::wgmma_wait_group_sync_aligned<1>();
+    promote(q1, 1, s00, s01);
+    issue(q1, 3);
+    const float s10 = sa_lo * sb_1, s11 = sa_hi * sb_1;
+    ptx::wgmma_wait_group_sync_aligned<1>();
+    promote(q0, 2, s10, s11);
+    ptx::wgmma_wait_group_sync_aligned<0>();
+    // As in block_math: the scales are in registers and the tensor cores are done with the stage.
+    release();
+    after_release();
+    promote(q1, 3, s10, s11);
+  }
   // f(std::integral_constant<uint32_t, s>{}) for s = 0, 1, ..., in order.
   template <class F, uint32_t... kS>
   __device__ __forceinline__ static void stage_each(const F& f, std::integer_sequence<uint32_t, kS...>) {
@@ -139,7 +195,9 @@ struct Sm90Fp8Mainloop {
     const uint32_t b_lo0 = smem_desc_lo_sw128(smem_s + Layout::b_offset(0));
     const uint32_t sa0 = smem_s + Layout::sa_offset(0) + uint32_t(r0) * 4u;
     const uint32_t sb0 = smem_s + Layout::sb_offset(0);
+    // The scratch: one 64-float half (block_math) or two 32-float quarters (block_math_quarters).
     float tmp[64];
+    float q0[32], q1[32];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 
@@ -163,7 +221,7 @@ struct Sm90Fp8Mainloop {
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
       const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
       const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
-      block_math(acc, tmp, a_lo, b_lo, sa_lo, sa_hi, sb0 + st.index * Layout::kScaleB, [&] {
+      const auto release = [&] {
         // Why __syncwarp: lane 0 arrives for the whole warp, so every lane's scale loads from the
         // stage must be ordered before its arrival (see block_math).
         __syncwarp();
@@ -172,7 +230,11 @@ struct Sm90Fp8Mainloop {
         } else {
           if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
         }
-      });
+      };
+      if constexpr (kCoverIdle)
+        block_math_quarters(acc, q0, q1, a_lo, b_lo, sa_lo, sa_hi, sb0 + st.index * Layout::kScaleB, release);
+      else
+        block_math(acc, tmp, a_lo, b_lo, sa_lo, sa_hi, sb0 + st.index * Layout::kScaleB, release);
       ++st;
     };
     int kb = 0;
