@@ -16,7 +16,7 @@ namespace epmoe::gemm {
 inline constexpr int kBlockM = 128;
 inline constexpr int kBlockN = 256;
 inline constexpr int kWarpgroupM = 64;  // wgmma M of one warpgroup
-inline constexpr int kHalfN = 128;      // FP8 promotes the tile's N in two halves of 128
+inline constexpr int kHalfN = 128;      // FP8 promotes the tile's N in two halves of 128 (or four quarters)
 inline constexpr int kScaleBlock = 128;  // FP8 weight scales cover 128 x 128, activation scales 1 x 128
 
 struct GroupedGemmParams {

@@ -6,7 +6,9 @@
 // K sums drift; 128-deep partial sums stay exact enough, and the scales must be applied per
 // K block anyway.
 // Why two N halves of 128: a 64 x 256 scratch accumulator next to the 64 x 256 result would
-// need 256 registers per thread; one 64 x 128 scratch, reused for both halves, fits in 232.
+// need 256 registers per thread; one 64 x 128 scratch, reused for both halves, fits in 232. The
+// megakernel's decode variant splits the same 64 scratch registers into two 64 x 64 quarters
+// (block_math_quarters).
 #pragma once
 
 #include <cstdint>
@@ -84,16 +86,19 @@ struct Sm90Fp8Mainloop {
   // quarter's batch runs while the one before it is promoted: Q0 and Q1 issued, then per quarter
   // wait for the older batch, promote it, issue the next into its scratch. Why: with halves each K
   // block waited for two whole wgmma batches and promoted each with the tensor pipe idle; a decode
-  // tile's K loop waited on that, not on its loads (ncu, one H200, R = 1, one Qwen3-like token: of
-  // the L1 loop's stall samples 37% on the wgmma waits, 3% on the stage waits). Same registers as
-  // halves (two 32-float scratches for one 64-float one). Bitwise the same acc: each output
-  // element's wgmma sum and its one promotion per K block are those of block_math.
+  // tile's K loop waited on that and on instruction fetch, not on its loads (ncu, one H200, R = 1,
+  // one Qwen3-like token: of the L1 loop's stall samples 37% on the wgmma waits, 23% on fetch, 3%
+  // on the stage waits). Same scratch registers as halves (two 32-float scratches for one 64-float
+  // one); both weight scales are live at once. The same acc bit for bit (the e2e cases compare
+  // the two layer paths): each output element's wgmma sum over the K block and its promotion are
+  // those of block_math, an n64 wgmma's column being computed as the n128 one's.
   template <class Release, class AfterRelease = Nothing>
   __device__ __forceinline__ static void block_math_quarters(float (&acc)[128], float (&q0)[32], float (&q1)[32],
                                                              uint32_t a_lo, uint32_t b_lo, float sa_lo, float sa_hi,
                                                              uint32_t sb, const Release& release,
                                                              const AfterRelease& after_release = {}) {
-    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;  // 64 B rows, in descriptor units
+    // A quarter's B rows: 64 rows of 128 bytes, in descriptor units.
+    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;
     const auto issue = [&](float (&q)[32], int quarter) {
       const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
       ptx::fence_operands(q);
@@ -209,7 +214,8 @@ struct Sm90Fp8Mainloop {
     const State st0 = st;
     uint32_t failed = 0;
     int failed_kb = 0;
-    // One K block: wait for its stage, two N halves of four wgmma each, promotion.
+    // One K block: wait for its stage, two N halves (kCoverIdle: four quarters) of four wgmma each,
+    // promotion.
     const auto k_block = [&](int kb) {
       // Why the broadcast: the stage index is then provably the same in every lane, and ptxas
       // steps the wgmma descriptors in uniform registers (without it: 32 R2UR per K block).
