@@ -78,6 +78,10 @@ struct Options {
   std::vector<int> tokens;
   std::vector<std::string> paths;
   int iters = 50, warmup = 10, sets = 4;
+  // Layers of this shape on the one workspace, each with its own weights, taken in turn call by call
+  // as a model's layers are: with enough of them a call finds none of its weights in L2, where
+  // repeated calls of one layer find part of them there (docs/BENCHMARKS.md).
+  int layers = 1;
   bool graph = true;
   bool per_set = false;  // also each input set's median (decode: the routing sets the busiest rank)
   Output out;  // --json, --quiet
@@ -163,8 +167,9 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   std::unique_ptr<Workspace> ws;
   EPMOE_RETURN_IF_ERROR(Workspace::create(*comm, workspace_config_for(cfg), &ws));
   const int64_t ws_bytes = ws->nbytes();
-  std::unique_ptr<MoELayer> layer;
-  EPMOE_RETURN_IF_ERROR(MoELayer::create(*ws, cfg, &layer));
+  std::vector<std::unique_ptr<MoELayer>> layers(size_t(o.layers));
+  for (auto& l : layers) EPMOE_RETURN_IF_ERROR(MoELayer::create(*ws, cfg, &l));
+  MoELayer* const layer = layers[0].get();  // the probe calls and the stage-timing pass
   cudaStream_t stream;
   EPMOE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // The comm phases' stamps (comm::CommPhase) of the stage-timing passes below.
@@ -172,7 +177,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   EPMOE_CUDA_RETURN(cudaMalloc(&cstamps, sizeof(unsigned long long) * comm::kCommPhaseCount));
   std::unique_ptr<unsigned long long, decltype(&cuda_free_ull)> cstamps_owner(cstamps, &cuda_free_ull);
 
-  // Weights, generated on the device.
+  // Weights, generated on the device (each layer its own).
   const int G = o.shape.experts_per_rank, H = cfg.hidden, I = cfg.intermediate;
   const bool fp8 = o.dtype == DType::kFP8;
   const int64_t n1 = int64_t(G) * 2 * I * H, n2 = int64_t(G) * H * I;
@@ -185,17 +190,23 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
   if (fp8) {
     EPMOE_CUDA_RETURN(cudaMalloc(&ws1, s1 * 4));
     EPMOE_CUDA_RETURN(cudaMalloc(&ws2, s2 * 4));
-    fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w1), n1, seed);
-    fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w2), n2, seed + 1);
-    fill_f32<<<256, 256, 0, stream>>>(ws1, s1, seed + 2, std::sqrt(3.0f / H) / 448.f);
-    fill_f32<<<256, 256, 0, stream>>>(ws2, s2, seed + 3, std::sqrt(3.0f / I) / 448.f);
-  } else {
-    fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w1), n1, seed, std::sqrt(3.0f / H));
-    fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w2), n2, seed + 1, std::sqrt(3.0f / I));
   }
-  EPMOE_CUDA_RETURN(cudaGetLastError());
-  ExpertWeights ew{w1, ws1, w2, ws2, true};
-  EPMOE_RETURN_IF_ERROR(layer->load_weights(ew, stream));
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const uint64_t ls = seed + 104729 * l;
+    if (fp8) {
+      fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w1), n1, ls);
+      fill_fp8<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(w2), n2, ls + 1);
+      fill_f32<<<256, 256, 0, stream>>>(ws1, s1, ls + 2, std::sqrt(3.0f / H) / 448.f);
+      fill_f32<<<256, 256, 0, stream>>>(ws2, s2, ls + 3, std::sqrt(3.0f / I) / 448.f);
+    } else {
+      fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w1), n1, ls, std::sqrt(3.0f / H));
+      fill_bf16<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(w2), n2, ls + 1, std::sqrt(3.0f / I));
+    }
+    EPMOE_CUDA_RETURN(cudaGetLastError());
+    ExpertWeights ew{w1, ws1, w2, ws2, true};
+    EPMOE_RETURN_IF_ERROR(layers[l]->load_weights(ew, stream));
+  }
+  EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));  // every copy out of w1 / w2 is done
   cudaFree(w1);
   cudaFree(w2);
   if (ws1) cudaFree(ws1);
@@ -283,28 +294,31 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         continue;
       }
       EPMOE_RETURN_IF_ERROR(probe);
-      pr.graphs.assign(sets, nullptr);
+      // One graph per (input set, layer): call `it` runs set it % sets on layer it % layers.
+      pr.graphs.assign(size_t(sets) * layers.size(), nullptr);
       if (o.graph) {
-        for (int s = 0; s < sets; ++s) {
-          cudaGraph_t g;
-          EPMOE_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          Status st = layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, pr.path);
-          cudaError_t e = cudaStreamEndCapture(stream, &g);
-          EPMOE_RETURN_IF_ERROR(st);
-          EPMOE_CUDA_RETURN(e);
-          EPMOE_CUDA_RETURN(cudaGraphInstantiate(&pr.graphs[s], g, 0));
-          cudaGraphDestroy(g);
-        }
+        for (int s = 0; s < sets; ++s)
+          for (size_t l = 0; l < layers.size(); ++l) {
+            cudaGraph_t g;
+            EPMOE_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            Status st = layers[l]->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, pr.path);
+            cudaError_t e = cudaStreamEndCapture(stream, &g);
+            EPMOE_RETURN_IF_ERROR(st);
+            EPMOE_CUDA_RETURN(e);
+            EPMOE_CUDA_RETURN(cudaGraphInstantiate(&pr.graphs[size_t(s) * layers.size() + l], g, 0));
+            cudaGraphDestroy(g);
+          }
       }
       runs.push_back(std::move(pr));
     }
     auto launch = [&](const PathRun& pr, int it) -> Status {
       const int s = it % sets;
+      const size_t l = size_t(it) % layers.size();
       if (o.graph) {
-        EPMOE_CUDA_RETURN(cudaGraphLaunch(pr.graphs[s], stream));
+        EPMOE_CUDA_RETURN(cudaGraphLaunch(pr.graphs[size_t(s) * layers.size() + l], stream));
         return Status::Ok();
       }
-      return layer->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, pr.path);
+      return layers[l]->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, pr.path);
     };
     for (int it = 0; it < o.warmup; ++it)
       for (const PathRun& pr : runs)
@@ -322,7 +336,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         EPMOE_CUDA_RETURN(cudaEventRecord(ev[i + 1], stream));
       }
     EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
-    EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));
+    for (auto& l : layers) EPMOE_RETURN_IF_ERROR(l->check_device_error(stream));
     for (int k = 0; k < n_paths; ++k) {
       if (!runs[k].supported) continue;
       runs[k].us.resize(o.iters);
@@ -354,17 +368,23 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
       // end at their last tile on any SM, and combine includes the GEMM -> combine barrier).
       std::string stages;
       {
-        detail::LayerInternals* in = detail::internals(*layer);
+        // The layers in turn, as in the timed calls.
+        std::vector<detail::LayerInternals*> ins;
+        for (auto& l : layers) ins.push_back(detail::internals(*l));
         // Also the comm kernels' (or the fused kernel's comm phases') own stamps (comm::CommPhase):
         // where dispatch and combine spend their time inside the stage, for both paths alike.
         std::vector<std::vector<double>> per(4), comm_ph(6);
-        detail::DispatchAccess::set_phase_stamps(in->dispatcher(), cstamps);
-        in->set_stage_timing(true);
+        for (detail::LayerInternals* in : ins) {
+          detail::DispatchAccess::set_phase_stamps(in->dispatcher(), cstamps);
+          in->set_stage_timing(true);
+        }
         for (int it = 0; it < std::min(o.iters, 20); ++it) {
+          const size_t l = size_t(it) % layers.size();
           EPMOE_CUDA_RETURN(cudaMemsetAsync(cstamps, 0, sizeof(unsigned long long) * comm::kCommPhaseCount, stream));
-          EPMOE_RETURN_IF_ERROR(layer->forward(xs[it % sets], idxs[it % sets], wts[it % sets], ys[it % sets], T, stream, path));
+          EPMOE_RETURN_IF_ERROR(
+              layers[l]->forward(xs[it % sets], idxs[it % sets], wts[it % sets], ys[it % sets], T, stream, path));
           float ms[4];
-          EPMOE_RETURN_IF_ERROR(in->stage_times_ms(ms));
+          EPMOE_RETURN_IF_ERROR(ins[l]->stage_times_ms(ms));
           for (int k = 0; k < 4; ++k) per[k].push_back(ms[k] * 1e3);
           unsigned long long ts[comm::kCommPhaseCount];
           EPMOE_CUDA_RETURN(cudaMemcpy(ts, cstamps, sizeof(ts), cudaMemcpyDeviceToHost));
@@ -373,8 +393,10 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
           comm_phase_spans_us(ts, comm::kCombineStart, span + 3);
           for (int k = 0; k < 6; ++k) comm_ph[k].push_back(span[k]);
         }
-        in->set_stage_timing(false);
-        detail::DispatchAccess::set_phase_stamps(in->dispatcher(), nullptr);
+        for (detail::LayerInternals* in : ins) {
+          in->set_stage_timing(false);
+          detail::DispatchAccess::set_phase_stamps(in->dispatcher(), nullptr);
+        }
         char buf[320];
         std::snprintf(buf, sizeof(buf),
                       "dispatch %.0f / L1 %.0f / L2 %.0f / combine %.0f us  [dispatch staged %.1f / counts %.1f / "
@@ -403,6 +425,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         j["floor_us"] = json_number(floor_us, 2);
         j["ratio_to_floor"] = json_number(st.median / floor_us, 3);
         j["graph"] = o.graph;
+        j["layers"] = o.layers;
         j["workspace_bytes"] = ws_bytes;
         (json_stdout ? out : jout) << json_line(j);
       }
@@ -476,7 +499,7 @@ struct LayerFlags {
   std::vector<int> tokens = {1, 128, 1024, 4096};
   int ranks = 0;
   bool ranks_given = false;  // else one rank per visible GPU
-  int iters = 50, warmup = 10, sets = 4, graph = 1;
+  int iters = 50, warmup = 10, sets = 4, graph = 1, layers = 1;
   double peak_tflops = 0, hbm_gbs = 0, timeout = 540;
   bool sizes = false;  // print the workspace's sizes and exit (no GPU)
   bool per_set = false;
@@ -551,6 +574,7 @@ int run_layer(const LayerFlags& f, const Output& output) {
   o.iters = f.iters;
   o.warmup = f.warmup;
   o.sets = f.sets;
+  o.layers = f.layers;
   o.per_set = f.per_set;
   o.graph = f.graph != 0;
   o.peak_tflops = f.peak_tflops;
@@ -561,6 +585,10 @@ int run_layer(const LayerFlags& f, const Output& output) {
   }
   if (o.iters < 1 || o.warmup < 0 || o.sets < 1) {
     std::fprintf(stderr, "epmoe-bench layer: --iters and --sets must be >= 1, --warmup >= 0\n");
+    return 2;
+  }
+  if (o.layers < 1 || o.layers > 64) {
+    std::fprintf(stderr, "epmoe-bench layer: --layers must be 1 to 64\n");
     return 2;
   }
 
@@ -593,10 +621,11 @@ int run_layer(const LayerFlags& f, const Output& output) {
   }
   if (!o.out.json_stdout()) {
     std::printf("epmoe-bench layer: shape %s (E/rank %d, H %d, I %d, K %d), %s, routing %s, %s combine partials, "
-                "%d ranks, %s, iters %d\n",
+                "%d ranks, %s, iters %d%s\n",
                 o.shape.name.c_str(), o.shape.experts_per_rank, o.shape.hidden, o.shape.inter, o.shape.topk,
                 dt.c_str(), ref::routing_name(o.routing), partials.c_str(), ranks,
-                o.graph ? "CUDA graphs" : "direct launches", o.iters);
+                o.graph ? "CUDA graphs" : "direct launches", o.iters,
+                o.layers > 1 ? (", " + std::to_string(o.layers) + " layers called in turn").c_str() : "");
     if (const int rc = print_sizes(o, ranks, true); rc != 0) return rc;
     char hbm[64];
     if (o.hbm_gbs > 0) std::snprintf(hbm, sizeof hbm, "%.0f GB/s", o.hbm_gbs);
@@ -637,6 +666,10 @@ Run setup_layer(CLI::App& app) {
   app.add_option("--iters", f->iters, "timed calls per path")->capture_default_str();
   app.add_option("--warmup", f->warmup, "untimed calls per path before them")->capture_default_str();
   app.add_option("--sets", f->sets, "input sets rotated so that repeats do not run from L2")->capture_default_str();
+  app.add_option("--layers", f->layers,
+                 "layers of this shape on one workspace, each with its own weights, called in turn (a model's "
+                 "layers: with enough of them no call finds its weights in L2; 1 to 64)")
+      ->capture_default_str();
   app.add_option("--graph", f->graph, "1: CUDA graphs, 0: direct launches (a bare --graph is 1)")
       ->expected(0, 1)
       ->default_str("1");
