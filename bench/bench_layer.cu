@@ -206,7 +206,6 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
     ExpertWeights ew{w1, ws1, w2, ws2, true};
     EPMOE_RETURN_IF_ERROR(layers[l]->load_weights(ew, stream));
   }
-  EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));  // every copy out of w1 / w2 is done
   cudaFree(w1);
   cudaFree(w2);
   if (ws1) cudaFree(ws1);
@@ -311,9 +310,13 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
       }
       runs.push_back(std::move(pr));
     }
-    auto launch = [&](const PathRun& pr, int it) -> Status {
+    const int n_paths = int(runs.size());
+    // Call `call` (= it x paths + path): input set it % sets (every path the same inputs), layer
+    // call % layers. Why the layer by call and not by `it`: the paths of one `it` run back to back,
+    // and on one layer the second would find the first one's weights in L2.
+    auto launch = [&](const PathRun& pr, int it, int call) -> Status {
       const int s = it % sets;
-      const size_t l = size_t(it) % layers.size();
+      const size_t l = size_t(call) % layers.size();
       if (o.graph) {
         EPMOE_CUDA_RETURN(cudaGraphLaunch(pr.graphs[size_t(s) * layers.size() + l], stream));
         return Status::Ok();
@@ -321,9 +324,8 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
       return layers[l]->forward(xs[s], idxs[s], wts[s], ys[s], T, stream, pr.path);
     };
     for (int it = 0; it < o.warmup; ++it)
-      for (const PathRun& pr : runs)
-        if (pr.supported) EPMOE_RETURN_IF_ERROR(launch(pr, it));
-    const int n_paths = int(runs.size());
+      for (int k = 0; k < n_paths; ++k)
+        if (runs[k].supported) EPMOE_RETURN_IF_ERROR(launch(runs[k], it, it * n_paths + k));
     std::vector<cudaEvent_t> ev(size_t(2) * o.iters * n_paths);
     for (auto& e : ev) EPMOE_CUDA_RETURN(cudaEventCreate(&e));
     EPMOE_RETURN_IF_ERROR(comm->barrier(stream));
@@ -332,11 +334,11 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         if (!runs[k].supported) continue;
         const size_t i = (size_t(it) * n_paths + k) * 2;
         EPMOE_CUDA_RETURN(cudaEventRecord(ev[i], stream));
-        EPMOE_RETURN_IF_ERROR(launch(runs[k], it));
+        EPMOE_RETURN_IF_ERROR(launch(runs[k], it, it * n_paths + k));
         EPMOE_CUDA_RETURN(cudaEventRecord(ev[i + 1], stream));
       }
     EPMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
-    for (auto& l : layers) EPMOE_RETURN_IF_ERROR(l->check_device_error(stream));
+    EPMOE_RETURN_IF_ERROR(layer->check_device_error(stream));  // the workspace's record, one for all layers
     for (int k = 0; k < n_paths; ++k) {
       if (!runs[k].supported) continue;
       runs[k].us.resize(o.iters);
@@ -667,8 +669,9 @@ Run setup_layer(CLI::App& app) {
   app.add_option("--warmup", f->warmup, "untimed calls per path before them")->capture_default_str();
   app.add_option("--sets", f->sets, "input sets rotated so that repeats do not run from L2")->capture_default_str();
   app.add_option("--layers", f->layers,
-                 "layers of this shape on one workspace, each with its own weights, called in turn (a model's "
-                 "layers: with enough of them no call finds its weights in L2; 1 to 64)")
+                 "layers of this shape on one workspace, each with its own weights (GPU memory: the DSV3 slice "
+                 "~1.4 GB per layer and rank in FP8), called in turn (a model's layers: with enough of them no "
+                 "call finds its weights in L2; 1 to 64)")
       ->capture_default_str();
   app.add_option("--graph", f->graph, "1: CUDA graphs, 0: direct launches (a bare --graph is 1)")
       ->expected(0, 1)
