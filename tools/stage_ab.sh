@@ -20,8 +20,10 @@ else
   git -C "$tree" checkout -q --detach "$commit"
 fi
 # The GPU machines' NCCL first in the RUNPATH, as tools/stage_gpu.sh does (older commits had it as
-# their default; newer ones default to none).
-cmake -S "$tree" -B build-ab/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+# their default; newer ones default to none). The test hooks on, as tools/stage_gpu.sh builds the
+# new side: each GEMM producer run then carries the same hook check in both builds (a commit
+# without the option ignores it).
+cmake -S "$tree" -B build-ab/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPMOE_TEST_HOOKS=ON \
   -DEPMOE_EXTRA_RPATH="${EPMOE_EXTRA_RPATH:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}" >/dev/null
 cmake --build build-ab/build --target epmoe-bench -j "$(nproc)"
 mkdir -p .gpu/bin
