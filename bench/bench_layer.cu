@@ -293,7 +293,10 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
         continue;
       }
       EPMOE_RETURN_IF_ERROR(probe);
-      // One graph per (input set, layer): call `it` runs set it % sets on layer it % layers.
+      // Every other layer once outside a capture too, as layer 0 just ran.
+      for (size_t l = 1; l < layers.size(); ++l)
+        EPMOE_RETURN_IF_ERROR(layers[l]->forward(xs[0], idxs[0], wts[0], ys[0], T, stream, pr.path));
+      // One graph per (input set, layer): each call's set and layer, see `launch` below.
       pr.graphs.assign(size_t(sets) * layers.size(), nullptr);
       if (o.graph) {
         for (int s = 0; s < sets; ++s)
@@ -370,7 +373,7 @@ Status run_rank(const RankContext& ctx, const Options& o, std::string* report) {
       // end at their last tile on any SM, and combine includes the GEMM -> combine barrier).
       std::string stages;
       {
-        // The layers in turn, as in the timed calls.
+        // The layers in turn, one per call.
         std::vector<detail::LayerInternals*> ins;
         for (auto& l : layers) ins.push_back(detail::internals(*l));
         // Also the comm kernels' (or the fused kernel's comm phases') own stamps (comm::CommPhase):

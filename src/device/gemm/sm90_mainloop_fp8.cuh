@@ -85,10 +85,10 @@ struct Sm90Fp8Mainloop {
   // and promotions in four N quarters of 64 columns on two 32-register scratches, so that one
   // quarter's batch runs while the one before it is promoted: Q0 and Q1 issued, then per quarter
   // wait for the older batch, promote it, issue the next into its scratch. Why: with halves each K
-  // block waited for two whole wgmma batches and promoted each with the tensor pipe idle; a decode
-  // tile's K loop waited on that and on instruction fetch, not on its loads (ncu, one H200, R = 1,
-  // one Qwen3-like token: of the L1 loop's stall samples 37% on the wgmma waits, 23% on fetch, 3%
-  // on the stage waits). Same scratch registers as halves (two 32-float scratches for one 64-float
+  // block waits for two whole wgmma batches and promotes each with the tensor pipe idle, and a
+  // decode tile's K loop is bound by that and by instruction fetch, not by its loads (ncu, one
+  // H200, R = 1, one Qwen3-like token, the halves loop: of the L1 loop's stall samples 37% on the
+  // wgmma waits, 23% on fetch, 3% on the stage waits). Same scratch registers as halves (two 32-float scratches for one 64-float
   // one); both weight scales are live at once. The same acc bit for bit (the e2e cases compare
   // the two layer paths): each output element's wgmma sum over the K block and its promotion are
   // those of block_math, an n64 wgmma's column being computed as the n128 one's.
@@ -159,7 +159,8 @@ struct Sm90Fp8Mainloop {
   // wait expired); st then names it.
   // kPairK: two K blocks per loop trip (the standalone kernels); the fused kernel, at its register
   // cap, keeps one per trip.
-  // kCoverIdle (the megakernel's decode variant, no kept stage): in a `covered` tile (the second
+  // kCoverIdle (the megakernel's decode variant, no kept stage): every K block in four N quarters
+  // (block_math_quarters); and in a `covered` tile (the second
   // warpgroup idle, more K blocks than stages; sm90_math_tiles decides), the idle warpgroup takes
   // and releases only the tile's first stage (it read the tile's slot there) and skips the
   // others, which the first warpgroup's warps release for both (two arrivals each). Why: the idle

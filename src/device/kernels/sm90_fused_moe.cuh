@@ -186,8 +186,9 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::setmaxnreg_inc<gemm::kMathRegs>();
   const int wg = threadIdx.x / 128 - 1;
   // L1 sends the storer no end mark: its L2 tiles follow in the same sequence.
-  // The FP8 decode variant: the idle warpgroup of small tiles runs each GEMM's epilogue code once
-  // beside the first warpgroup's mainloop (sm90_math_tiles, kIdleWarm).
+  // The FP8 decode variant: the K loop in N quarters, and the idle warpgroup of small tiles runs
+  // each GEMM's epilogue code once beside the first warpgroup's mainloop (sm90_math_tiles,
+  // kIdleWarm).
   constexpr bool kIdleWarm = L1::kFp8 && !L2::kHasStorer;
   gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, false, kIdleWarm>(p1, pipe, st, wg, ready, 0u,
                                                                                from_slots, l1_release_at_once);

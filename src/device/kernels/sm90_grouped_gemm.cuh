@@ -166,7 +166,8 @@ struct MathTilesResult {
 // handed before (the fused kernel's L2 continues its L1's count), and kEndStorer whether the
 // storer's end mark follows the last tile. With `done`, a deferred L1 tile is counted by the
 // storer once its stores completed (Sm90EpilogueDeferredBf16::drain_fused), not here.
-// kIdleWarm (the megakernel's decode variant, FP8): in a tile of <= 64 rows of a GEMM with more K
+// kIdleWarm (the megakernel's decode variant, FP8): the K loop in N quarters (Sm90Fp8Mainloop::run
+// with kCoverIdle, block_math_quarters); and in a tile of <= 64 rows of a GEMM with more K
 // blocks than ring stages, the idle second math warpgroup takes only the tile's first stage
 // (Sm90Fp8Mainloop::run with kCoverIdle), and in the first such tile of each GEMM it runs the
 // inline epilogue's code on rows it does not store, while the first warpgroup runs the mainloop.
