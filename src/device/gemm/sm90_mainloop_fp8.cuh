@@ -88,10 +88,11 @@ struct Sm90Fp8Mainloop {
   // block waits for two whole wgmma batches and promotes each with the tensor pipe idle, and a
   // decode tile's K loop is bound by that and by instruction fetch, not by its loads (ncu, one
   // H200, R = 1, one Qwen3-like token, the halves loop: of the L1 loop's stall samples 37% on the
-  // wgmma waits, 23% on fetch, 3% on the stage waits). Same scratch registers as halves (two 32-float scratches for one 64-float
-  // one); both weight scales are live at once. The same acc bit for bit (the e2e cases compare
-  // the two layer paths): each output element's wgmma sum over the K block and its promotion are
-  // those of block_math, an n64 wgmma's column being computed as the n128 one's.
+  // wgmma waits, 23% on fetch, 3% on the stage waits). Same scratch registers as halves (two
+  // 32-float scratches for one 64-float one); both weight scales are live at once. The same acc
+  // bit for bit (the e2e cases compare the two layer paths): each output element's wgmma sum over
+  // the K block and its promotion are those of block_math, an n64 wgmma's column being computed as
+  // the n128 one's.
   template <class Release, class AfterRelease = Nothing>
   __device__ __forceinline__ static void block_math_quarters(float (&acc)[128], float (&q0)[32], float (&q1)[32],
                                                              uint32_t a_lo, uint32_t b_lo, float sa_lo, float sa_hi,
