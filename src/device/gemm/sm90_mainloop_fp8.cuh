@@ -43,6 +43,18 @@ struct Sm90Fp8Mainloop {
   struct Nothing {
     __device__ __forceinline__ void operator()() const {}
   };
+  // acc[kBase + j] += scratch[j] * (x < 2 ? s0 : s1) for the n-wide fragment scratch (x = j % 4:
+  // columns 0, 1 on this thread's first row, 2, 3 on its second).
+  template <int kBase, int kN>
+  __device__ __forceinline__ static void promote(float (&acc)[128], const float (&scratch)[kN], float s0, float s1) {
+#pragma unroll
+    for (int i = 0; i < kN / 4; ++i) {
+      acc[kBase + 4 * i + 0] += scratch[4 * i + 0] * s0;
+      acc[kBase + 4 * i + 1] += scratch[4 * i + 1] * s0;
+      acc[kBase + 4 * i + 2] += scratch[4 * i + 2] * s1;
+      acc[kBase + 4 * i + 3] += scratch[4 * i + 3] * s1;
+    }
+  }
   template <class Release, class AfterRelease = Nothing>
   __device__ __forceinline__ static void block_math(float (&acc)[128], float (&tmp)[64], uint32_t a_lo, uint32_t b_lo,
                                                     float sa_lo, float sa_hi, uint32_t sb,
@@ -72,13 +84,10 @@ struct Sm90Fp8Mainloop {
 
       const float s0 = sa_lo * sb_h;
       const float s1 = sa_hi * sb_h;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        acc[64 * h + 4 * i + 0] += tmp[4 * i + 0] * s0;
-        acc[64 * h + 4 * i + 1] += tmp[4 * i + 1] * s0;
-        acc[64 * h + 4 * i + 2] += tmp[4 * i + 2] * s1;
-        acc[64 * h + 4 * i + 3] += tmp[4 * i + 3] * s1;
-      }
+      if (h == 0)
+        promote<0>(acc, tmp, s0, s1);
+      else
+        promote<64>(acc, tmp, s0, s1);
     }
   }
   // block_math for the megakernel's decode K loop (run with kCoverIdle): the same wgmma products
@@ -110,36 +119,30 @@ struct Sm90Fp8Mainloop {
                                            smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
       ptx::wgmma_commit_group_sync_aligned();
     };
-    // Quarter `quarter` holds columns 64 quarter + 8 i + ..., i.e. acc[32 quarter + 4 i + x].
-    const auto promote = [&](float (&q)[32], int quarter, float s0, float s1) {
-      ptx::fence_operands(q);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        acc[32 * quarter + 4 * i + 0] += q[4 * i + 0] * s0;
-        acc[32 * quarter + 4 * i + 1] += q[4 * i + 1] * s0;
-        acc[32 * quarter + 4 * i + 2] += q[4 * i + 2] * s1;
-        acc[32 * quarter + 4 * i + 3] += q[4 * i + 3] * s1;
-      }
-    };
+    // Quarter q holds columns 64 q + 8 i + ..., i.e. acc[32 q + 4 i + x].
     const float sb_0 = ptx::ld_shared_f32(sb);
     issue(q0, 0);
     issue(q1, 1);
     const float sb_1 = ptx::ld_shared_f32(sb + 4u);
     const float s00 = sa_lo * sb_0, s01 = sa_hi * sb_0;
     ptx::wgmma_wait_group_sync_aligned<1>();
-    promote(q0, 0, s00, s01);
+    ptx::fence_operands(q0);
+    promote<0>(acc, q0, s00, s01);
     issue(q0, 2);
     ptx::wgmma_wait_group_sync_aligned<1>();
-    promote(q1, 1, s00, s01);
+    ptx::fence_operands(q1);
+    promote<32>(acc, q1, s00, s01);
     issue(q1, 3);
     const float s10 = sa_lo * sb_1, s11 = sa_hi * sb_1;
     ptx::wgmma_wait_group_sync_aligned<1>();
-    promote(q0, 2, s10, s11);
+    ptx::fence_operands(q0);
+    promote<64>(acc, q0, s10, s11);
     ptx::wgmma_wait_group_sync_aligned<0>();
     // As in block_math: the scales are in registers and the tensor cores are done with the stage.
     release();
     after_release();
-    promote(q1, 3, s10, s11);
+    ptx::fence_operands(q1);
+    promote<96>(acc, q1, s10, s11);
   }
   // f(std::integral_constant<uint32_t, s>{}) for s = 0, 1, ..., in order.
   template <class F, uint32_t... kS>
