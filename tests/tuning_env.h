@@ -4,7 +4,8 @@
 //   EPMOE_FUSED_EPILOGUE=inline|deferred   the megakernel's epilogue variant (else per call)
 //   EPMOE_FUSED_PREFETCH=<0..64>           K blocks of weight prefetch (else 0)
 //   EPMOE_FUSED_B_FIRST=0|1                the megakernel's weights-first loads (else per call)
-//   EPMOE_FUSED_CLAIM=0|1                  the megakernel's tile claims (else per call)
+//   EPMOE_FUSED_CLAIM=0|1|2                the megakernel's tile claims (else per call)
+//   EPMOE_FUSED_L1_SPLIT=0|1               the megakernel's split L1 units (else on)
 //   EPMOE_COMM_BLOCKS=<n>                  caps the dispatch and combine grids (n > 0)
 //   EPMOE_AUTO_FUSED_MAX=<n>               Path::kAuto's threshold in tokens (n >= 0; else 512)
 // Out-of-range values are ignored, as the library did when it read them itself.
@@ -32,6 +33,7 @@ inline heuristics::TuningOverrides tuning_overrides_from_env() {
   env_switch("EPMOE_FUSED_PREFETCH", 0, 64, o.fused_prefetch_k_blocks);
   env_switch("EPMOE_FUSED_B_FIRST", 0, 1, o.fused_b_first);
   env_switch("EPMOE_FUSED_CLAIM", 0, 2, o.fused_claim_tiles);
+  env_switch("EPMOE_FUSED_L1_SPLIT", 0, 1, o.fused_l1_split);
   if (const char* env = std::getenv("EPMOE_COMM_BLOCKS")) o.comm_blocks = std::atoi(env);
   env_switch("EPMOE_AUTO_FUSED_MAX", 0, 1 << 30, o.auto_fused_max_tokens);
   return o;

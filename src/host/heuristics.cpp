@@ -44,6 +44,13 @@ Tuning choose_layer_tuning(const LayerShape& s, int64_t num_tokens, const Tuning
   t.fused_claim_tiles = o.fused_claim_tiles >= 0 && o.fused_claim_tiles <= 2 ? ClaimTiles(o.fused_claim_tiles)
                         : tiny ? ClaimTiles::kBeyondGrid
                                : ClaimTiles::kAlways;
+  // Split L1 units in layers whose L1 tiles are long (H >= 4096: 32 K blocks or more). Measured on
+  // 4x H200 at R = 4 and 2 (docs/DESIGN.md, "The megakernel's schedule"): one DSV3 token (H 7168,
+  // 56 K blocks) 4-8 us faster; the Qwen3-like shape (H 2048, 16 K blocks) level at one token and
+  // 1-7 us slower at 2-128 tokens, where a half tile's exchange and second epilogue cost more than
+  // its shorter stream saves.
+  t.fused_l1_split = o.fused_l1_split == 0 || o.fused_l1_split == 1 ? o.fused_l1_split == 1
+                                                                  : s.hidden >= kL1SplitMinHidden;
   // Path::kAuto, per rank from its own T (the paths are interchangeable per rank: the same comm
   // protocol, bitwise the same y). Measured on 4x H200 at R = 4 and 2 (docs/DESIGN.md, "Path::kAuto"):
   // the megakernel is faster up to 512 tokens on the DSV3 slice and up to 1280 on the Qwen3-like

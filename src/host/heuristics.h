@@ -32,6 +32,9 @@ struct Tuning {
   // never claimed (the static order), always claimed from a grid-wide counter, or claimed only
   // when the call's L1 tiles exceed the grid (decided in the kernel from the segment layout).
   ClaimTiles fused_claim_tiles = ClaimTiles::kNever;
+  // The megakernel's decode variant may run each L1 tile as two halves of 64 channels on two blocks
+  // (fused::FusedMoeParams::l1_split; the kernel splits calls of at most two waves of L1 tiles).
+  bool fused_l1_split = false;
   // Path::kAuto takes the megakernel for this call (if the layer has it).
   bool auto_fused = false;
 };
@@ -40,7 +43,11 @@ struct Tuning {
 struct LayerShape {
   int topk = 0;
   int experts_per_rank = 0;
+  int hidden = 0;  // H, the L1 GEMM's K
 };
+
+// The megakernel splits L1 tiles (Tuning::fused_l1_split) in layers of at least this H.
+inline constexpr int kL1SplitMinHidden = 4096;
 
 // The comm kernels' shape: the grid's upper bound and the work per token.
 struct CommShape {
@@ -57,6 +64,7 @@ struct TuningOverrides {
   int fused_prefetch_k_blocks = -1;  // 0..64
   int fused_b_first = -1;            // 0 or 1
   int fused_claim_tiles = -1;        // 0 never, 1 always, 2 beyond the grid (ClaimTiles)
+  int fused_l1_split = -1;           // 0 or 1
   int comm_blocks = 0;               // > 0: caps the dispatch and combine grids
   int auto_fused_max_tokens = -1;    // >= 0: Path::kAuto takes the megakernel up to this many tokens
 };

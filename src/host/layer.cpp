@@ -332,6 +332,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
                         int(heuristics::ClaimTiles::kBeyondGrid) == fused::kClaimBeyondGrid,
                     "heuristics::ClaimTiles and FusedMoeParams::claim_tiles");
       fp.claim_tiles = int(t.fused_claim_tiles);
+      fp.l1_split = t.fused_l1_split ? 1 : 0;
       if (timing_) {
         // Stage timing (benchmark only): the kernel stamps its phases; zeroed per call.
         const Status z = detail::cuda_status(
@@ -341,7 +342,8 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
         fp.phase_ts = static_cast<unsigned long long*>(phase_ts_.ptr);
       }
       const fused::FusedMoeMaps maps{plan_l1_.map_a,  plan_l1_.map_b,   plan_l2_.map_a,  plan_l2_.map_b,
-                                     plan_l1_.map_d,  plan_l2_.map_d,   plan_l1_.map_a64, plan_l2_.map_a64};
+                                     plan_l1_.map_d,  plan_l2_.map_d,   plan_l1_.map_a64, plan_l2_.map_a64,
+                                     plan_l1_.map_b64};
       const bool deferred = t.fused_deferred_epilogue;
       const cudaError_t e = cfg_.dtype == DType::kFP8
                                 ? fused::launch_sm90_fused_moe_fp8(maps, fp, deferred, fused_grid_, stream)
@@ -504,7 +506,7 @@ class PipelineLayer final : public MoELayer, public detail::LayerInternals {
 
   // This call's tuning choices (src/host/heuristics.h), with the overrides copied at create.
   heuristics::Tuning tuning(int num_tokens) const {
-    return heuristics::choose_layer_tuning(heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank()}, num_tokens,
+    return heuristics::choose_layer_tuning(heuristics::LayerShape{cfg_.topk, cfg_.experts_per_rank(), cfg_.hidden}, num_tokens,
                                            overrides_);
   }
 

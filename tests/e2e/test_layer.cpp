@@ -56,7 +56,7 @@ std::string replay_command(uint64_t seed, int ranks, int repeats = 0) {
   os << "EPMOE_SEED=" << seed << " EPMOE_TEST_RANKS=" << ranks;
   const std::string n = std::to_string(repeats);
   for (const char* v : {"EPMOE_FUSED_EPILOGUE", "EPMOE_FUSED_PREFETCH", "EPMOE_FUSED_B_FIRST", "EPMOE_FUSED_CLAIM",
-                        "EPMOE_AUTO_FUSED_MAX", "EPMOE_TEST_TIMEOUT_S", "EPMOE_EVIDENCE_CALLS", kRepeatsEnv}) {
+                        "EPMOE_FUSED_L1_SPLIT", "EPMOE_AUTO_FUSED_MAX", "EPMOE_TEST_TIMEOUT_S", "EPMOE_EVIDENCE_CALLS", kRepeatsEnv}) {
     const char* val = repeats > 0 && std::strcmp(v, kRepeatsEnv) == 0 ? n.c_str() : std::getenv(v);
     if (val) os << " " << v << "=" << val;
   }

@@ -61,6 +61,22 @@ TEST(Heuristics, AutoPathTakesTheMegakernelUpTo512Tokens) {
   EXPECT_FALSE(choose_layer_tuning(s, 1, o).auto_fused);
 }
 
+// Split L1 units from H = 4096 (kL1SplitMinHidden); the override forces them either way.
+TEST(Heuristics, SplitL1UnitsFromHidden4096) {
+  const TuningOverrides none;
+  EXPECT_TRUE(choose_layer_tuning(LayerShape{8, 32, 7168}, 1, none).fused_l1_split);
+  EXPECT_TRUE(choose_layer_tuning(LayerShape{8, 32, 4096}, 128, none).fused_l1_split);
+  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32, 2048}, 1, none).fused_l1_split);
+  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32, 4095}, 1, none).fused_l1_split);
+  TuningOverrides o;
+  o.fused_l1_split = 1;
+  EXPECT_TRUE(choose_layer_tuning(LayerShape{8, 32, 2048}, 1, o).fused_l1_split);
+  o.fused_l1_split = 0;
+  EXPECT_FALSE(choose_layer_tuning(LayerShape{8, 32, 7168}, 1, o).fused_l1_split);
+  o.fused_l1_split = 2;  // out of range: ignored
+  EXPECT_TRUE(choose_layer_tuning(LayerShape{8, 32, 7168}, 1, o).fused_l1_split);
+}
+
 TEST(Heuristics, OverridesForceTheLayerChoices) {
   const LayerShape s{8, 32};
   TuningOverrides o;

@@ -10,6 +10,8 @@
 
 #include "device/gemm/sm90_gemm_params.h"
 #include "device/debug/diag_trace.cuh"
+#include "device/pipeline/sm90_watchdog.cuh"
+#include "device/ptx/fence.cuh"
 #include "device/ptx/ld_st.cuh"
 #include "device/ptx/math.cuh"
 #include "device/quant/fp8_quant.cuh"
@@ -30,6 +32,14 @@ __device__ __forceinline__ float silu_f32(float g) {
   const float e = ptx::ex2_approx_ftz_f32(g * -1.4426950408889634f);
   return g * ptx::rcp_approx_ftz_f32(1.0f + e);
 }
+
+// The amax exchange of the megakernel's split L1 units (FP8 decode variant): per pair of halves
+// (an L1 tile) and math warpgroup, one arrival counter (0 between calls: the kernel zeroes the
+// ones a call used after its grid barrier) and each half's 64 partial row maxima.
+struct SplitExchange {
+  uint32_t* ctr;  // [pair x 2 + warpgroup]
+  float* amax;    // [(pair x 2 + warpgroup) x 2 + half][64 rows]
+};
 
 // kToSmem (FP8 only, the deferred L1 store of sm90_epilogue_deferred.cuh): the codes go to this
 // warpgroup's staging tile (`slab_s`: 64 rows x 128 bytes, 16-byte chunk c of row r at
@@ -138,6 +148,112 @@ struct Sm90EpilogueSwiGLU {
               ptx::cvt_rn_bf16x2(a[4 * i + 2 * half], a[4 * i + 2 * half + 1]);
       }
     }
+  }
+
+  // A split unit (FP8 only): half h = unit % 2 of L1 tile n_block / 2 (the scheduler's n_block
+  // counts halves), its 64 channels 64 h.. in acc[0..31] (gate) and acc[64..95] (up)
+  // (Sm90Fp8Mainloop::block_math_split). The row's 1x128 scale needs the amax over both halves, which
+  // run on two blocks: each half writes its 64 partial row maxima, adds 1 to the pair's counter
+  // (release) and waits (bounded) until the counter reads 2, then takes the larger of the two and
+  // stores its own 64 channels' codes; half 0 also stores the row scales. The maximum is exact, so
+  // the scale and the codes are bit for bit those of the whole tile (run).
+  // Deadlock-free because split L1 units are taken in the static order (block b: units b, b + grid,
+  // ...; no claims) on a grid of at least 2: a pair's halves are then on two blocks, every block
+  // takes its units in increasing order, and the lowest unit not yet at its exchange always can get
+  // there (its block's earlier units, and its partner if lower, are all past theirs).
+  // dry: the warm pass (sm90_math_tiles, kIdleWarm): the same instructions, no store, no exchange.
+  // barrier_id: the warpgroup's named barrier (128 threads). Returns false if the wait expired;
+  // *seen is then the counter's value and *slot its index.
+  __device__ static bool run_split(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
+                                   int wg, int unit, const SplitExchange& x, uint32_t barrier_id, bool dry,
+                                   uint32_t* seen, int* slot) {
+    static_assert(kFp8 && !kToSmem, "split units are the FP8 decode variant's");
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    const int r0 = first_row(wg);
+    const bool valid0 = r0 < t.rows_valid;
+    const bool valid1 = r0 + 8 < t.rows_valid;
+    const float w0 = valid0 ? ptx::ld_cg_f32(p.row_weight + t.row0 + r0) : 0.0f;
+    const float w1 = valid1 ? ptx::ld_cg_f32(p.row_weight + t.row0 + r0 + 8) : 0.0f;
+    const float c = p.clamp;
+    float a[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      float g = acc[i];
+      float u = acc[64 + i];
+      if (c > 0.0f) {
+        u = fminf(fmaxf(u, -c), c);
+        g = fminf(g, c);
+      }
+      a[i] = silu_f32(g) * u * ((i & 2) ? w1 : w0);
+    }
+    float amax0 = 0.0f, amax1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      amax0 = fmaxf(amax0, fmaxf(fabsf(a[4 * i + 0]), fabsf(a[4 * i + 1])));
+      amax1 = fmaxf(amax1, fmaxf(fabsf(a[4 * i + 2]), fabsf(a[4 * i + 3])));
+    }
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+      amax0 = fmaxf(amax0, __shfl_xor_sync(0xFFFFFFFFu, amax0, m));
+      amax1 = fmaxf(amax1, __shfl_xor_sync(0xFFFFFFFFu, amax1, m));
+    }
+    const int h = unit & 1;
+    const int s = (unit >> 1) * 2 + wg;
+    const int rr = warp * 16 + lane / 4;  // this thread's first row among the warpgroup's 64
+    float* mine = x.amax + (int64_t(s) * 2 + h) * kWarpgroupM;
+    const float* theirs = x.amax + (int64_t(s) * 2 + (h ^ 1)) * kWarpgroupM;
+    if (!dry && lane % 4 == 0) {
+      mine[rr] = amax0;
+      mine[rr + 8] = amax1;
+    }
+    // The warpgroup's maxima are written: one release for all of them (cumulative over the
+    // barrier), then the wait for the other half.
+    ptx::named_barrier_sync(barrier_id, 128);
+    uint32_t failed = 0;
+    if (!dry && threadIdx.x % 128 == 0) {
+      ptx::red_add_release_gpu(x.ctr + s, 1u);
+      uint32_t v = ptx::ld_acquire_gpu(x.ctr + s);
+      if (v < 2u) {
+        const uint64_t start = ptx::globaltimer_ns();
+        const uint64_t limit = pipeline::watchdog_timeout_ns();
+        while ((v = ptx::ld_acquire_gpu(x.ctr + s)) < 2u) {
+          if (ptx::globaltimer_ns() - start > limit) {
+            failed = 1;
+            break;
+          }
+          ptx::nanosleep(32);
+        }
+      }
+    }
+    if (ptx::named_barrier_sync_or(barrier_id, 128, failed)) {
+      *seen = ptx::ld_acquire_gpu(x.ctr + s);
+      *slot = s;
+      return false;
+    }
+    if (!dry) {
+      amax0 = fmaxf(amax0, ptx::ld_cg_f32(theirs + rr));
+      amax1 = fmaxf(amax1, ptx::ld_cg_f32(theirs + rr + 8));
+    }
+    const bool pow2 = p.pow2_scales != 0;
+    const float sc[2] = {quant::scale_1x128(amax0, pow2), quant::scale_1x128(amax1, pow2)};
+    const float inv[2] = {quant::reciprocal_scale(sc[0]), quant::reciprocal_scale(sc[1])};
+    const int n_block = t.n_block >> 1;
+    const int64_t out_col = int64_t(n_block) * kHalfN + h * (kHalfN / 2) + 2 * (lane % 4);
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + half * 8;
+      if (r >= t.rows_valid && !dry) continue;
+      uint8_t* row = out + int64_t(t.row0 + r) * p.out_ld + out_col;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint16_t codes = quant::encode_e4m3x2_times(a[4 * i + 2 * half], a[4 * i + 2 * half + 1], inv[half]);
+        if (!dry) *reinterpret_cast<uint16_t*>(row + 8 * i) = codes;
+      }
+      if (!dry && h == 0 && lane % 4 == 0) p.out_scale[int64_t(n_block) * p.scale_stride + t.row0 + r] = sc[half];
+    }
+    return true;
   }
 };
 

@@ -144,6 +144,85 @@ struct Sm90Fp8Mainloop {
     ptx::fence_operands(q1);
     promote<96>(acc, q1, s10, s11);
   }
+  // block_math for a split unit of the megakernel's decode L1 (run with `split`): the stage's B
+  // tile holds 64 gate rows (B rows 0-63) and the 64 matching up rows (64-127) of one half of an
+  // L1 tile's 128-channel group (Sm90TmaProducer, kSplitN). Gate goes to acc[0..31], up to
+  // acc[64..95], where a whole tile's first quarter of each half would be, so that the SwiGLU
+  // pairing acc[i] with acc[64 + i] holds; acc[32..63] and acc[96..127] stay 0. Each output element
+  // gets the same wgmma sum and promotion as in block_math_quarters: the same bits.
+  template <class Release>
+  __device__ __forceinline__ static void block_math_split(float (&acc)[128], float (&q0)[32], float (&q1)[32],
+                                                          uint32_t a_lo, uint32_t b_lo, float sa_lo, float sa_hi,
+                                                          uint32_t sb, const Release& release) {
+    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;
+    const auto issue = [&](float (&q)[32], int quarter) {
+      const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
+      ptx::fence_operands(q);
+      ptx::wgmma_fence_sync_aligned();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
+        ptx::wgmma_m64n64k32_f32_e4m3_e4m3(q, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
+                                           smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
+      ptx::wgmma_commit_group_sync_aligned();
+    };
+    const float sb_0 = ptx::ld_shared_f32(sb);
+    const float sb_1 = ptx::ld_shared_f32(sb + 4u);
+    issue(q0, 0);
+    issue(q1, 1);
+    const float s00 = sa_lo * sb_0, s01 = sa_hi * sb_0;
+    const float s10 = sa_lo * sb_1, s11 = sa_hi * sb_1;
+    ptx::wgmma_wait_group_sync_aligned<1>();
+    ptx::fence_operands(q0);
+    promote<0>(acc, q0, s00, s01);
+    ptx::wgmma_wait_group_sync_aligned<0>();
+    release();
+    ptx::fence_operands(q1);
+    promote<64>(acc, q1, s10, s11);
+  }
+  // block_math_split for a stage that carries two K blocks of a split unit of at most 64 rows
+  // (`dbl`, Sm90TmaProducer::k_step): A rows 0-63 and B rows 0-127 hold K block kb, A rows 64-127
+  // and B rows 128-255 K block kb + 1; the activation scales of kb + 1 are 64 rows further on
+  // (sa_lo1 / sa_hi1) and the weight scales are (gate, up) of kb, then of kb + 1. Each accumulator
+  // takes kb's promotion before kb + 1's, as one K block per stage would give it.
+  template <class Release>
+  __device__ __forceinline__ static void block_math_split2(float (&acc)[128], float (&q0)[32], float (&q1)[32],
+                                                           uint32_t a_lo, uint32_t b_lo, float sa_lo0, float sa_hi0,
+                                                           float sa_lo1, float sa_hi1, uint32_t sb,
+                                                           const Release& release) {
+    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;
+    constexpr uint32_t kAHalfDesc = (kWarpgroupM * Layout::kRowBytes) >> 4;
+    const auto issue = [&](float (&q)[32], uint32_t aq_lo, int quarter) {
+      const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
+      ptx::fence_operands(q);
+      ptx::wgmma_fence_sync_aligned();
+#pragma unroll
+      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
+        ptx::wgmma_m64n64k32_f32_e4m3_e4m3(q, smem_desc_from_lo(aq_lo + uint32_t(k * kWgmmaK / 16)),
+                                           smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
+      ptx::wgmma_commit_group_sync_aligned();
+    };
+    issue(q0, a_lo, 0);
+    issue(q1, a_lo, 1);
+    const float sb_0 = ptx::ld_shared_f32(sb);
+    const float sb_1 = ptx::ld_shared_f32(sb + 4u);
+    ptx::wgmma_wait_group_sync_aligned<1>();
+    ptx::fence_operands(q0);
+    promote<0>(acc, q0, sa_lo0 * sb_0, sa_hi0 * sb_0);
+    issue(q0, a_lo + kAHalfDesc, 2);
+    const float sb_2 = ptx::ld_shared_f32(sb + 8u);
+    ptx::wgmma_wait_group_sync_aligned<1>();
+    ptx::fence_operands(q1);
+    promote<64>(acc, q1, sa_lo0 * sb_1, sa_hi0 * sb_1);
+    issue(q1, a_lo + kAHalfDesc, 3);
+    const float sb_3 = ptx::ld_shared_f32(sb + 12u);
+    ptx::wgmma_wait_group_sync_aligned<1>();
+    ptx::fence_operands(q0);
+    promote<0>(acc, q0, sa_lo1 * sb_2, sa_hi1 * sb_2);
+    ptx::wgmma_wait_group_sync_aligned<0>();
+    release();
+    ptx::fence_operands(q1);
+    promote<64>(acc, q1, sa_lo1 * sb_3, sa_hi1 * sb_3);
+  }
   // f(std::integral_constant<uint32_t, s>{}) for s = 0, 1, ..., in order.
   template <class F, uint32_t... kS>
   __device__ __forceinline__ static void stage_each(const F& f, std::integer_sequence<uint32_t, kS...>) {
@@ -172,15 +251,20 @@ struct Sm90Fp8Mainloop {
   // so that the working warpgroup finds it in the instruction cache), and nothing it does can hold
   // a stage. Why the first stage stays shared: its slot names the tile, and a stage released for
   // the idle warpgroup before it read the slot could be refilled under it.
+  // split (kCoverIdle only): the tile is a split unit of the megakernel's decode L1
+  // (block_math_split instead of block_math_quarters); dbl: and its stages carry two K blocks each
+  // (block_math_split2; num_k_blocks / 2 stages).
   template <bool kKeepLast = false, bool kPairK = false, bool kCoverIdle = false>
   __device__ static bool run(float (&acc)[128], const Pipe& pipe, State& st, int num_k_blocks, int wg, bool idle,
-                             bool covered = false) {
+                             bool covered = false, bool split = false, bool dbl = false) {
     static_assert(!kCoverIdle || (!kKeepLast && !kPairK), "the covered release is for the fused decode loop");
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
     if (idle) {
       if constexpr (kCoverIdle) {
-        if (covered) return skip_through(pipe, st, num_k_blocks, lane);
+        const int stages = dbl ? num_k_blocks / 2 : num_k_blocks;
+        if (covered) return skip_through(pipe, st, stages, lane);
+        return pass_through(pipe, st, stages, lane, false);
       }
       return pass_through(pipe, st, num_k_blocks, lane, kKeepLast);
     }
@@ -221,7 +305,7 @@ struct Sm90Fp8Mainloop {
     int failed_kb = 0;
     // One K block: wait for its stage, two N halves (kCoverIdle: four quarters) of four wgmma each,
     // promotion.
-    const auto k_block = [&](int kb) {
+    const auto k_block = [&](int kb, auto split_const) {
       // Why the broadcast: the stage index is then provably the same in every lane, and ptxas
       // steps the wgmma descriptors in uniform registers (without it: 32 R2UR per K block).
       st.index = __shfl_sync(0xffffffffu, st.index, 0);
@@ -230,6 +314,7 @@ struct Sm90Fp8Mainloop {
       failed_kb = failed > was ? kb : failed_kb;
       const float sa_lo = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA);
       const float sa_hi = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 32u);
+      constexpr int kMode = decltype(split_const)::value;
       const uint32_t a_lo = a_lo0 + st.index * (Layout::kTileA >> 4);
       const uint32_t b_lo = b_lo0 + st.index * (Layout::kTileB >> 4);
       const auto release = [&] {
@@ -242,21 +327,39 @@ struct Sm90Fp8Mainloop {
           if (lane == 0 && (!kKeepLast || kb + 1 < num_k_blocks)) pipe.consumer_release(bars_s, st);
         }
       };
-      if constexpr (kCoverIdle)
+      if constexpr (kCoverIdle && kMode == 2) {
+        // The second K block's activation scales: 64 rows further on.
+        const float sa_lo1 = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 4u * kWarpgroupM);
+        const float sa_hi1 = ptx::ld_shared_f32(sa0 + st.index * Layout::kScaleA + 4u * kWarpgroupM + 32u);
+        block_math_split2(acc, q0, q1, a_lo, b_lo, sa_lo, sa_hi, sa_lo1, sa_hi1, sb0 + st.index * Layout::kScaleB,
+                          release);
+      } else if constexpr (kCoverIdle && kMode == 1)
+        block_math_split(acc, q0, q1, a_lo, b_lo, sa_lo, sa_hi, sb0 + st.index * Layout::kScaleB, release);
+      else if constexpr (kCoverIdle)
         block_math_quarters(acc, q0, q1, a_lo, b_lo, sa_lo, sa_hi, sb0 + st.index * Layout::kScaleB, release);
       else
         block_math(acc, tmp, a_lo, b_lo, sa_lo, sa_hi, sb0 + st.index * Layout::kScaleB, release);
       ++st;
     };
+    using Whole = std::integral_constant<int, 0>;
     int kb = 0;
     if constexpr (kPairK) {
       for (; kb + 1 < num_k_blocks; kb += 2) {
-        k_block(kb);
-        k_block(kb + 1);
+        k_block(kb, Whole{});
+        k_block(kb + 1, Whole{});
       }
-      if (kb < num_k_blocks) k_block(kb);
+      if (kb < num_k_blocks) k_block(kb, Whole{});
+    } else if constexpr (kCoverIdle) {
+      if (split && dbl) {
+        // kb counts stages here (two K blocks each), as the release and a timeout's stage do.
+        for (; kb < num_k_blocks / 2; ++kb) k_block(kb, std::integral_constant<int, 2>{});
+      } else if (split) {
+        for (; kb < num_k_blocks; ++kb) k_block(kb, std::integral_constant<int, 1>{});
+      } else {
+        for (; kb < num_k_blocks; ++kb) k_block(kb, Whole{});
+      }
     } else {
-      for (; kb < num_k_blocks; ++kb) k_block(kb);
+      for (; kb < num_k_blocks; ++kb) k_block(kb, Whole{});
     }
     if (failed) {
       st = st0;

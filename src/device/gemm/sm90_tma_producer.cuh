@@ -17,7 +17,18 @@
 
 namespace epmoe::gemm {
 
-template <bool kFp8, int kStages, int kBlockK, class Layout, class Scheduler>
+// kSplitN (the megakernel's FP8 decode L1 only): with `split`, each tile of the scheduler is half of
+// an L1 tile (a split unit: scheduler n_block 2 j + h is half h of tile j): its stages carry 64 gate
+// rows (W1 rows 256 j + 64 h ..., B rows 0-63 of the stage) and the 64 matching up rows (256 j + 128
+// + 64 h ..., B rows 64-127), loaded as two 64-row boxes of tmap_b64, and tile j's weight scales.
+// A split unit of at most 64 rows carries two K blocks per stage (k_step): kb in A rows 0-63, B rows
+// 0-127 and activation scale rows 0-63, kb + 1 in A rows 64-127, B rows 128-255 and scale rows
+// 64-127, the weight scales (gate, up) of kb then kb + 1; a stage then lands a whole stage's bytes.
+// Why: with one K block per stage a half unit's stage carried 24 KB instead of a tile's 40, and the
+// layer was slower at every point measured (docs/DESIGN.md); a block's weight stream follows its
+// bytes in flight. A split unit of more than 64 rows (both math warpgroups) keeps one K block per
+// stage: its A rows fill the stage.
+template <bool kFp8, int kStages, int kBlockK, class Layout, class Scheduler, bool kSplitN = false>
 struct Sm90TmaProducer {
   using Pipe = pipeline::TmaPipeline<kStages>;
   const CUtensorMap* tmap_a;
@@ -39,6 +50,9 @@ struct Sm90TmaProducer {
   int claimed = 0;
   int claim_kb = -1;
   uint32_t publish = kNoMoreTiles;
+  // kSplitN: W1 with 64-row boxes, and whether this call's L1 runs split units (see above).
+  const CUtensorMap* tmap_b64 = nullptr;
+  bool split = false;
 
   // Loads every K block of every tile of this block, in the order the math warpgroups consume
   // them; each load waits (bounded) until the consumers released its stage.
@@ -74,6 +88,9 @@ struct Sm90TmaProducer {
     ptx::prefetch_tensormap(tmap_a);
     ptx::prefetch_tensormap(tmap_a64);
     ptx::prefetch_tensormap(tmap_b);
+    if constexpr (kSplitN) {
+      if (split) ptx::prefetch_tensormap(tmap_b64);
+    }
     const int num_k_blocks = p->k / kBlockK;
     scheduler::GemmTile tile;
     claim_ctr = claim;
@@ -87,18 +104,25 @@ struct Sm90TmaProducer {
         const uint32_t need = target + per_row * uint32_t(tile.rows_valid);
         if (b_first && !is_ready(w, need)) {
           const pipeline::PipelineState<kStages> first = st;
-          const int ahead = min(kStages, num_k_blocks);
-          for (; kb < ahead; ++kb) issue_b(tile, kb);
+          const int step = k_step(tile);
+          const int ahead = min(kStages, num_k_blocks / step);
+          for (int j = 0; j < ahead; ++j, kb += step) issue_b(tile, kb);
           wait_or_report(ready, w, need, per_row);
           pipeline::PipelineState<kStages> s = first;
           for (int j = 0; j < ahead; ++j, ++s) {
             uint64_t* full = pipe.producer_barrier(s);
-            store_weight_scales(tile, j, s.index);
+            store_weight_scales(tile, j * step, s.index);
             ptx::mbarrier_arrive_expect_tx_release_cta(full, Layout::kTxBytes - Layout::kTileB - a_bytes_skipped(tile));
-            issue_a(tile, j, full, s.index);
+            issue_a(tile, j * step, full, s.index);
           }
         } else {
           wait_or_report(ready, w, need, per_row);
+        }
+      }
+      if constexpr (kSplitN) {
+        if (k_step(tile) == 2) {
+          for (; kb < num_k_blocks; kb += 2) issue(tile, kb);
+          continue;
         }
       }
       for (; kb < num_k_blocks; ++kb) issue(tile, kb);
@@ -155,9 +179,19 @@ struct Sm90TmaProducer {
     if constexpr (kFp8) {
       acquire_stage();
       full = pipe.producer_barrier(st);
-      ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTxBytes - a_bytes_skipped(tile));
+      ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTxBytes - a_bytes_skipped(tile) - b_bytes_skipped(tile));
     } else {
       full = take_stage(Layout::kTxBytes - a_bytes_skipped(tile));
+    }
+    if constexpr (kSplitN) {
+      if (k_step(tile) == 2) {
+        issue_a(tile, kb, full, st.index);
+        load_b(tile, kb, full, st.index);
+        store_weight_scales(tile, kb, st.index);
+        ptx::mbarrier_arrive_release_cta_s(ptx::smem_u32(full));
+        ++st;
+        return;
+      }
     }
     ptx::tma_load_2d(smem + Layout::a_offset(st.index), map_a(tile), full, kb * kBlockK, tile.row0);
     load_b(tile, kb, full, st.index);
@@ -186,13 +220,23 @@ struct Sm90TmaProducer {
       ptx::opaque(n);
       ptx::opaque(k);
       const int n_blocks128 = n / kScaleBlock;
-      const int nb0 = tile.n_block * 2;
+      const int nb0 = tile_n_block(tile) * 2;
       const int nb1 = nb0 + 1 < n_blocks128 ? nb0 + 1 : nb0;
       const int num_k_blocks = k / kBlockK;
       // A 32-bit index: < 2^27 by the limits E_loc <= 1024, N <= 65536, K <= 32768.
       const float* row = p->b_scale + ((tile.expert * n_blocks128 + nb0) * num_k_blocks + kb);
       const float s0 = ptx::ld_nc_f32(row);
       const float s1 = ptx::ld_nc_f32(row + (nb1 - nb0) * num_k_blocks);
+      if constexpr (kSplitN) {
+        if (k_step(tile) == 2) {
+          static_assert(Layout::kScaleB >= 16, "a two-K-block stage holds four weight scales");
+          const float s2 = ptx::ld_nc_f32(row + 1);
+          const float s3 = ptx::ld_nc_f32(row + (nb1 - nb0) * num_k_blocks + 1);
+          ptx::st_shared_v2_f32(ptx::smem_u32(smem + Layout::sb_offset(stage)), s0, s1);
+          ptx::st_shared_v2_f32(ptx::smem_u32(smem + Layout::sb_offset(stage)) + 8u, s2, s3);
+          return;
+        }
+      }
       ptx::st_shared_v2_f32(ptx::smem_u32(smem + Layout::sb_offset(stage)), s0, s1);
     }
   }
@@ -203,7 +247,7 @@ struct Sm90TmaProducer {
     claim_next(kb);
     acquire_stage();
     uint64_t* full = pipe.producer_barrier(st);
-    ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTileB);
+    ptx::mbarrier_expect_tx_relaxed_cta(full, Layout::kTileB - b_bytes_skipped(tile));
     load_b(tile, kb, full, st.index);
     ++st;
   }
@@ -216,8 +260,26 @@ struct Sm90TmaProducer {
   // The A box of a tile and the A bytes its stages do not carry (see tmap_a64).
   __device__ static bool half_a(const scheduler::GemmTile& tile) { return tile.rows_valid <= Scheduler::kTileM / 2; }
   __device__ const CUtensorMap* map_a(const scheduler::GemmTile& tile) const { return half_a(tile) ? tmap_a64 : tmap_a; }
-  __device__ static uint32_t a_bytes_skipped(const scheduler::GemmTile& tile) {
+  __device__ uint32_t a_bytes_skipped(const scheduler::GemmTile& tile) const {
+    if constexpr (kSplitN) {
+      if (split) return 0u;  // two K blocks of 64 rows, or a unit of more than 64 rows
+    }
     return half_a(tile) ? Layout::kTileA / 2 : 0u;
+  }
+  // kSplitN: K blocks per stage of a tile (see the struct's comment).
+  __device__ int k_step(const scheduler::GemmTile& tile) const {
+    if constexpr (kSplitN) return split && half_a(tile) ? 2 : 1;
+    return 1;
+  }
+  // kSplitN: a split unit's stage of one K block carries half of the B tile.
+  __device__ uint32_t b_bytes_skipped(const scheduler::GemmTile& tile) const {
+    if constexpr (kSplitN) return split && !half_a(tile) ? Layout::kTileB / 2 : 0u;
+    return 0u;
+  }
+  // The L1 tile of a scheduler tile (a split unit's n_block counts halves).
+  __device__ int tile_n_block(const scheduler::GemmTile& tile) const {
+    if constexpr (kSplitN) return split ? tile.n_block >> 1 : tile.n_block;
+    return tile.n_block;
   }
   // The block's next tile, once per tile at K block claim_kb (see run). Exactly one of issue and
   // issue_b sees each K block.
@@ -237,6 +299,18 @@ struct Sm90TmaProducer {
   }
   __device__ static uint32_t smem_s() { return dyn_smem_base_s(); }
   __device__ void issue_a(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
+    if constexpr (kSplitN) {
+      if (k_step(tile) == 2) {
+        constexpr uint32_t kHalfA = Layout::kTileA / 2, kHalfScale = Layout::kScaleA / 2;
+        for (int j = 0; j < 2; ++j) {
+          ptx::tma_load_2d(smem + Layout::a_offset(stage) + uint32_t(j) * kHalfA, tmap_a64, full, (kb + j) * kBlockK,
+                           tile.row0);
+          ptx::bulk_copy_g2s(smem + Layout::sa_offset(stage) + uint32_t(j) * kHalfScale,
+                             p->a_scale + int64_t(kb + j) * p->scale_stride + tile.row0, kHalfScale, full);
+        }
+        return;
+      }
+    }
     ptx::tma_load_2d(smem + Layout::a_offset(stage), map_a(tile), full, kb * kBlockK, tile.row0);
     if constexpr (kFp8)
       ptx::bulk_copy_g2s(smem + Layout::sa_offset(stage), p->a_scale + int64_t(kb) * p->scale_stride + tile.row0,
@@ -248,6 +322,26 @@ struct Sm90TmaProducer {
   // L1 -> L2 rows) out of L2; with the hint the layer took 6 (pipeline) and 12 us (megakernel)
   // less at R = 1. Why not in every decode call: at 8-128 tokens it cost 2-8 us (docs/DESIGN.md).
   __device__ void load_b(const scheduler::GemmTile& tile, int kb, uint64_t* full, uint32_t stage) {
+    if constexpr (kSplitN) {
+      if (split) {
+        // Gate rows 64 h.. of tile j into B rows 0-63, the matching up rows (128 further) into 64-127.
+        constexpr uint32_t kBox = Layout::kTileN / 4;
+        const int32_t gate = tile.expert * p->n + (tile.n_block >> 1) * Layout::kTileN + (tile.n_block & 1) * int(kBox);
+        const bool hint = p->weights_evict_first && sched.expert_m_blocks == 1;
+        // Boxes in B row order: gate kb, up kb (, gate kb + 1, up kb + 1).
+        const int boxes = 2 * k_step(tile);
+        for (int j = 0; j < boxes; ++j) {
+          uint8_t* dst = smem + Layout::b_offset(stage) + uint32_t(j) * kBox * Layout::kRowBytes;
+          const int32_t row = gate + (j & 1) * int(2 * kBox);
+          const int k = (kb + (j >> 1)) * kBlockK;
+          if (hint)
+            ptx::tma_load_2d_hint(dst, tmap_b64, full, k, row, evict_first);
+          else
+            ptx::tma_load_2d(dst, tmap_b64, full, k, row);
+        }
+        return;
+      }
+    }
     const int32_t row = tile.expert * p->n + tile.n_block * Layout::kTileN;
     if (p->weights_evict_first && sched.expert_m_blocks == 1)
       ptx::tma_load_2d_hint(smem + Layout::b_offset(stage), tmap_b, full, kb * kBlockK, row, evict_first);

@@ -57,9 +57,9 @@ cudaError_t launch_fused(const FusedMoeMaps& m, const FusedMoeParams& p, bool de
   using Cfg = FusedMoeConfig<kFp8, false>;
   if (deferred)
     return launch_cooperative(sm90_fused_moe_kernel<kFp8, true>, grid, Cfg::kThreads, size_t(Cfg::kSmemBytes), stream,
-                              m.a1, m.b1, m.a2, m.b2, m.a1_64, m.a2_64, m.d1, m.d2, p);
+                              m.a1, m.b1, m.a2, m.b2, m.a1_64, m.a2_64, m.d1, m.d2, m.b1_64, p);
   return launch_cooperative(sm90_fused_moe_kernel<kFp8, false>, grid, Cfg::kThreads, size_t(Cfg::kSmemBytes), stream,
-                            m.a1, m.b1, m.a2, m.b2, m.a1_64, m.a2_64, m.d1, m.d2, p);
+                            m.a1, m.b1, m.a2, m.b2, m.a1_64, m.a2_64, m.d1, m.d2, m.b1_64, p);
 }
 
 }  // namespace epmoe::fused

@@ -31,9 +31,12 @@ struct FusedMoeParams {
   //   in the static order (gemm::Sm90TmaProducer::run): kClaimNever, kClaimAlways, or
   //   kClaimBeyondGrid (claims only when this call's L1 tiles exceed the grid, which every block
   //   reads from its own copy of the segment layout, so that all blocks agree).
+  // l1_split: the FP8 decode variant may run each L1 tile as two halves of 64 channels on two
+  //   blocks (decided in the kernel: calls of at most two waves of L1 tiles; docs/MEGAKERNEL.md).
   int prefetch_k_blocks;
   int b_first;
   int claim_tiles;
+  int l1_split;
 };
 
 // FusedMoeParams::claim_tiles.
@@ -64,6 +67,7 @@ cudaError_t configure_sm90_fused_moe_bf16(int device, int* grid);
 struct FusedMoeMaps {
   CUtensorMap a1, b1, a2, b2, d1, d2;
   CUtensorMap a1_64, a2_64;  // a1 / a2 with 64-row boxes (tiles of at most 64 rows; GemmPlan::map_a64)
+  CUtensorMap b1_64;         // b1 with 64-row boxes (the split L1 units; GemmPlan::map_b64)
 };
 
 // One cooperative cudaLaunchKernelEx; returns its result and makes no other CUDA call.

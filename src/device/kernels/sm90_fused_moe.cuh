@@ -145,22 +145,28 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
                                                  const typename L1::Mainloop::Pipe& pipe, uint8_t* smem,
                                                  const uint32_t* arrive, uint32_t pull_slices, uint32_t* ready,
                                                  uint32_t* claim, bool b_first, bool l1_release_at_once,
-                                                 unsigned long long* phase_ts) {
-  const uint32_t target = uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN));
+                                                 unsigned long long* phase_ts, const CUtensorMap* b1_64 = nullptr,
+                                                 const gemm::SplitExchange* split = nullptr) {
+  // Every math warpgroup of every L1 tile (of both halves of a split one) counts once.
+  const uint32_t target =
+      uint32_t(gemm::kMathWarpgroups * ((p1.n + gemm::kBlockN - 1) / gemm::kBlockN) * (split ? 2 : 1));
   // Whether the producer publishes the tiles and the math warpgroups read them from the slots: with
   // claims, and always in the throughput variant. Why always there: a run-time choice cost that
   // variant 7-43 us at 1024-4096 tokens (R = 1, same call); its calls are never tiny, so they claim
   // tiles anyway (with EPMOE_FUSED_CLAIM=0 it reads the static order from the slots). Without
   // claims (tiny calls) the decode variant's roles walk the static order each, with no end marks.
   const bool from_slots = L2::kHasStorer || claim != nullptr;
+  // Split L1 units take the static order (Sm90EpilogueSwiGLU::run_split: why); L2 claims as before.
+  uint32_t* const claim_l1 = split ? nullptr : claim;
+  const bool from_slots_l1 = L2::kHasStorer || claim_l1 != nullptr;
   typename L1::Mainloop::State st{};
   if (threadIdx.x / 128 == gemm::kProducerWarpgroup) {
     ptx::setmaxnreg_dec<gemm::kProducerRegs>();
     if (threadIdx.x == 0) {
       // An L1 tile's rows are loaded once the dispatch's pullers wrote all of them (arrive[m-block]
       // = valid rows x pull slices); the producer fences the proxies after each acquire.
-      gemm::sm90_producer_tiles<L1>(a1, a1_64, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first, from_slots,
-                                    claim);
+      gemm::sm90_producer_tiles<L1>(a1, a1_64, b1, p1, pipe, smem, st, arrive, 0u, pull_slices, b_first,
+                                    from_slots_l1, claim_l1, b1_64, split != nullptr);
       diag::trace(diag::kFusedProdL1);
       gemm::sm90_producer_tiles<L2>(a2, a2_64, b2, p2, pipe, smem, st, ready, target, 0u, b_first, from_slots,
                                     claim ? claim + 1 : nullptr);
@@ -190,8 +196,8 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   // each GEMM's epilogue code once beside the first warpgroup's mainloop (sm90_math_tiles,
   // kIdleWarm).
   constexpr bool kIdleWarm = L1::kFp8 && !L2::kHasStorer;
-  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, false, kIdleWarm>(p1, pipe, st, wg, ready, 0u,
-                                                                               from_slots, l1_release_at_once);
+  gemm::MathTilesResult r = gemm::sm90_math_tiles<L1, false, false, kIdleWarm>(
+      p1, pipe, st, wg, ready, 0u, from_slots_l1, l1_release_at_once, L1::kSplitN ? split : nullptr);
   if (threadIdx.x % 128 == 0) comm::stamp_phase(phase_ts, kPhaseL1Done);
   diag::trace(diag::kFusedMathL1, 128);
   if (r.ok)
@@ -203,7 +209,13 @@ __device__ __forceinline__ void fused_gemm_tiles(const CUtensorMap* a1, const CU
   ptx::named_barrier_sync(gemm::kMathBarrierBase + uint32_t(wg), 128);
   ptx::setmaxnreg_dec<gemm::kEntryRegs>();
   ptx::named_barrier_arrive(kRolesDoneBarrier, gemm::kNumThreads);
-  if (!r.ok) pipeline::report_timeout(r.site, r.stage, r.phase, r.tile);
+  if (!r.ok) {
+    if constexpr (L1::kSplitN) {
+      if (r.site == pipeline::WaitSite::kSplitAmax)
+        pipeline::report_counter_timeout(r.site, int(r.stage), 2u, r.phase, r.tile);
+    }
+    pipeline::report_timeout(r.site, r.stage, r.phase, r.tile);
+  }
 }
 
 // map_d1 / map_d2: the L1 and L2 output pools as the deferred epilogues store them (used by the
@@ -214,7 +226,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
                           const __grid_constant__ CUtensorMap map_a2, const __grid_constant__ CUtensorMap map_b2,
                           const __grid_constant__ CUtensorMap map_a1_64, const __grid_constant__ CUtensorMap map_a2_64,
                           const __grid_constant__ CUtensorMap map_d1, const __grid_constant__ CUtensorMap map_d2,
-                          const __grid_constant__ FusedMoeParams p) {
+                          const __grid_constant__ CUtensorMap map_b1_64, const __grid_constant__ FusedMoeParams p) {
   using Cfg = FusedMoeConfig<kFp8, kDeferred>;
   using Layout = typename Cfg::Layout;
   using Mainloop = typename Cfg::Mainloop;
@@ -300,6 +312,23 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // Why four: at once gained at 1-2 tiles per block (one and two DSV3 tokens, 128 Qwen3-like ones)
   // and at ~4 (128 DSV3 tokens), and cost 4 us at ~6 (512 DSV3 tokens, R = 2; docs/DESIGN.md).
   const bool l1_release_at_once = l1_tiles <= 4 * int(gridDim.x);
+  // Split L1 units (the FP8 decode variant, FusedMoeParams::l1_split, which the host sets for layers
+  // with H >= 4096): each L1 tile runs as two halves of 64 channels on two blocks, so that a call of
+  // up to two waves of L1 tiles streams its weights from up to twice as many SMs
+  // (docs/MEGAKERNEL.md). Every block decides from its own copy of the layout, so all agree. A grid
+  // of one block would hold both halves of a pair (deadlock). (Recomputed after the GEMMs from the
+  // same tables rather than held across them.)
+  const auto split_call = [&](int tiles) {
+    constexpr bool kCanSplit = Cfg::L1::kSplitN && !Cfg::kHasStorer;
+    // Even K blocks: a split unit of at most 64 rows takes two per stage.
+    return kCanSplit && p.l1_split != 0 && gridDim.x >= 2 && tiles <= 2 * int(gridDim.x) &&
+           tiles <= layout::CommLocalLayout::kSplitMaxPairs && (p.l1.k / 128) % 2 == 0;
+  };
+  const bool split = split_call(l1_tiles);
+  const gemm::SplitExchange split_x{
+      reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.split_exchange_offset()),
+      reinterpret_cast<float*>(p.dispatch.local_ws + loc.split_exchange_offset() +
+                               layout::CommLocalLayout::split_counter_bytes())};
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseDispatchDone);
   diag::trace(diag::kFusedBarrier1);
 
@@ -307,7 +336,7 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   fused_gemm_tiles<typename Cfg::L1, typename Cfg::L2>(
       &map_a1, &map_a1_64, &map_b1, &map_d1, p.l1, &map_a2, &map_a2_64, &map_b2, &map_d2, p.l2, pipe, smem, arrive,
       uint32_t(comm::dispatch_detail::pull_slices(p.dispatch.shape)), ready, claims ? claim : nullptr, p.b_first != 0,
-      l1_release_at_once, p.phase_ts);
+      l1_release_at_once, p.phase_ts, &map_b1_64, split ? &split_x : nullptr);
   diag::trace(diag::kFusedGemm);
   comm::grid_barrier(barrier_word, site);
   if (threadIdx.x == 0) comm::stamp_phase(p.phase_ts, kPhaseCombineStart);
@@ -332,6 +361,14 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
     // Every claim (one per tile after the block's first, and one past the end, per block and GEMM)
     // returned before the barrier.
     if (blockIdx.x == 0 && threadIdx.x < 2) claim[threadIdx.x] = 0;
+    // The split exchange's counters: one per L1 tile and math warpgroup.
+    const int tiles = gemm::make_scheduler<typename Cfg::L1>(p.l1).num_tiles();
+    if (split_call(tiles)) {
+      uint32_t* ctr = reinterpret_cast<uint32_t*>(p.dispatch.local_ws + loc.split_exchange_offset());
+      for (int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x); i < 2 * tiles;
+           i += int(gridDim.x * blockDim.x))
+        ctr[i] = 0;
+    }
   }
   diag::trace(diag::kFusedReset);
 

@@ -87,7 +87,10 @@ struct Sm90GroupedGemmConfig {
   using Mainloop = std::conditional_t<kFp8_, Sm90Fp8Mainloop<kStages_, Layout>, Sm90Bf16Mainloop<kStages_, Layout>>;
   static constexpr int kBlockK = Mainloop::kBlockK;
   using Scheduler = scheduler::GroupedTileScheduler<kBlockM, kRasterGroupN>;
-  using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler>;
+  // Split units (Sm90TmaProducer, kSplitN): compiled into the megakernel's FP8 decode L1 only, the
+  // one configuration with FP8 and the inline SwiGLU epilogue.
+  static constexpr bool kSplitN = kFp8_ && kEpi == Sm90Epilogue::kSwiGLU;
+  using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler, kSplitN>;
   static constexpr uint32_t kEmptyArrivals = kMathWarpgroups * 4;  // math warps releasing a stage
   static_assert(kMathWarpgroups * kWarpgroupM == kBlockM, "the math warpgroups split the tile's M");
   static_assert((kMathWarpgroups + 1) * 128 == kNumThreads, "one producer warpgroup plus the math warpgroups");
@@ -106,9 +109,10 @@ __device__ __forceinline__ scheduler::TileTables tile_tables() {
   static_assert(Cfg::Layout::kMaxGroups >= uint32_t(Limits::kMaxExpertsPerRank), "the scheduler tables hold every expert");
   return scheduler::TileTables{dyn_smem_base_s() + Cfg::Layout::kTableOffset, Cfg::Layout::kMaxGroups};
 }
+// n_units: scheduler tiles per N tile (2: the split units of the megakernel's decode L1).
 template <class Cfg>
-__device__ __forceinline__ typename Cfg::Scheduler make_scheduler(const GroupedGemmParams& p) {
-  return typename Cfg::Scheduler(tile_tables<Cfg>(), p.num_groups, (p.n + kBlockN - 1) / kBlockN);
+__device__ __forceinline__ typename Cfg::Scheduler make_scheduler(const GroupedGemmParams& p, int n_units = 1) {
+  return typename Cfg::Scheduler(tile_tables<Cfg>(), p.num_groups, (p.n + kBlockN - 1) / kBlockN * n_units);
 }
 // Every thread of the block, before any role schedules a tile of `p`.
 template <class Cfg>
@@ -127,8 +131,13 @@ __device__ __forceinline__ void sm90_producer_tiles(const CUtensorMap* tmap_a, c
                                                     typename Cfg::Mainloop::State& st,
                                                     const uint32_t* ready = nullptr, uint32_t target = 0,
                                                     uint32_t per_row = 0, bool b_first = false,
-                                                    bool publish_tiles = false, uint32_t* claim = nullptr) {
-  typename Cfg::Producer producer{tmap_a, tmap_b, tmap_a64, &p, pipe, smem, make_scheduler<Cfg>(p)};
+                                                    bool publish_tiles = false, uint32_t* claim = nullptr,
+                                                    const CUtensorMap* tmap_b64 = nullptr, bool split = false) {
+  typename Cfg::Producer producer{tmap_a, tmap_b, tmap_a64, &p, pipe, smem, make_scheduler<Cfg>(p, split ? 2 : 1)};
+  if constexpr (Cfg::kSplitN) {
+    producer.tmap_b64 = tmap_b64;
+    producer.split = split;
+  }
   producer.st = st;
   producer.run(ready, target, per_row, b_first, publish_tiles, claim);
   st = producer.st;
@@ -183,6 +192,10 @@ struct MathTilesResult {
 // barrier wait; so the first warpgroup never arrives twice on kCoverBarrier before the idle one
 // waited once. With <= kStages K blocks (K <= 512 in FP8: an H or I of at most 512) it could, so
 // there both warpgroups take every stage as in the other variants.
+// split (kIdleWarm with Cfg::kSplitN, the megakernel's FP8 decode L1; nullptr: off): the scheduler's
+// tiles are split units, each half of an L1 tile's 128-channel group, whose two halves exchange
+// their row maxima (Sm90EpilogueSwiGLU::run_split); the caller passes split units in the static
+// order only.
 // from_slots (the fused kernel): the producer publishes the tile sequence
 // (Sm90TmaProducer::run with publish_tiles; its blocks may claim tiles from a grid-wide counter)
 // and each tile's index is read from the claim slot of the stage that carries its first K block,
@@ -194,11 +207,13 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
                                                            const typename Cfg::Mainloop::Pipe& pipe,
                                                            typename Cfg::Mainloop::State& st, int wg,
                                                            uint32_t* done = nullptr, uint32_t first_tile_count = 0,
-                                                           bool from_slots = false, bool release_at_once = false) {
+                                                           bool from_slots = false, bool release_at_once = false,
+                                                           const SplitExchange* split = nullptr) {
   using Mainloop = typename Cfg::Mainloop;
   const int num_k_blocks = p.k / Cfg::kBlockK;
   const bool rings = num_k_blocks % Cfg::kStages == 0;
-  typename Cfg::Scheduler sched = make_scheduler<Cfg>(p);
+  static_assert(!Cfg::kSplitN || kIdleWarm, "split units are the decode variant's");
+  typename Cfg::Scheduler sched = make_scheduler<Cfg>(p, Cfg::kSplitN && split ? 2 : 1);
   scheduler::GemmTile tile;
   float acc[128];
   int pending = -1;  // `done` index of the last stored tile whose release is deferred
@@ -242,7 +257,10 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     const bool idle = wg * kWarpgroupM >= tile.rows_valid;
     // kIdleWarm: the second warpgroup is idle and takes only the first stage; the first warpgroup
     // releases the others for both.
-    const bool covered = kIdleWarm && num_k_blocks > Cfg::kStages && tile.rows_valid <= kWarpgroupM;
+    // Split units of at most 64 rows carry two K blocks per stage (Sm90TmaProducer::k_step).
+    const bool dbl = Cfg::kSplitN && split != nullptr && tile.rows_valid <= kWarpgroupM;
+    const bool covered = kIdleWarm && (dbl ? num_k_blocks / 2 : num_k_blocks) > Cfg::kStages &&
+                         tile.rows_valid <= kWarpgroupM;
     // A timeout leaves a deferred release unsent: other blocks' L2 producers may then report
     // their own timeout first; the trap ends the grid either way (fatal path only).
     // Why only full tiles through the deferred store: its TMA stores write whole 64-row slabs, and
@@ -260,7 +278,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
         ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, true>(acc, pipe, st, num_k_blocks, wg, idle)
                       : Mainloop::template run<false, true>(acc, pipe, st, num_k_blocks, wg, idle);
     } else if constexpr (kIdleWarm) {
-      ok = Mainloop::template run<false, false, true>(acc, pipe, st, num_k_blocks, wg, idle, covered);
+      ok = Mainloop::template run<false, false, true>(acc, pipe, st, num_k_blocks, wg, idle, covered,
+                                                      Cfg::kSplitN && split != nullptr, dbl);
       if (ok && covered && !idle) ptx::named_barrier_arrive(kCoverBarrier, 256);
     } else {
       ok = deferred ? Mainloop::template run<Cfg::kDeferredStore, false>(acc, pipe, st, num_k_blocks, wg, idle)
@@ -314,7 +333,17 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
     // epilogue's `dry` keeps its stores off, the L2 one writes only this warpgroup's staging tile).
     const bool warm = covered && idle && !warmed;
     if (!idle || warm) {
-      if constexpr (Cfg::kSwiGLU) {
+      if constexpr (Cfg::kSplitN) {
+        if (split) {
+          uint32_t seen = 0;
+          int slot = 0;
+          if (!Sm90EpilogueSwiGLU<true>::run_split(acc, p, tile, wg, sched.next_linear, *split,
+                                                   kMathBarrierBase + uint32_t(wg), warm, &seen, &slot))
+            return MathTilesResult{false, uint32_t(slot), seen, sched.next_linear, pipeline::WaitSite::kSplitAmax};
+        } else {
+          Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1, warm);
+        }
+      } else if constexpr (Cfg::kSwiGLU) {
         Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1, warm);
       } else {
         Sm90EpilogueStoreBf16::run(acc, p, tile, wg, dyn_smem_base_s() + Cfg::Layout::epi_offset(uint32_t(wg)),

@@ -150,6 +150,14 @@ struct CommLocalLayout {
   // there. Zero between calls: block 0 resets them after the grid barrier that follows the GEMMs
   // (docs/MEGAKERNEL.md).
   EPMOE_HD int64_t tile_claim_bytes() const { return 8; }
+  // The megakernel's split L1 units (gemm::SplitExchange): per L1 tile (a pair of halves) and math
+  // warpgroup a u32 counter (0 between calls: the kernel zeroes what it used), then per pair,
+  // warpgroup and half 64 floats of row maxima. A call splits only if its L1 tiles fit.
+  static constexpr int kSplitMaxPairs = 512;
+  EPMOE_HD static constexpr int64_t split_counter_bytes() { return int64_t(kSplitMaxPairs) * 2 * 4; }
+  EPMOE_HD static constexpr int64_t split_exchange_bytes() {
+    return split_counter_bytes() + int64_t(kSplitMaxPairs) * 2 * 2 * 64 * 4;
+  }
 
   EPMOE_HD int64_t cursor_offset() const { return next(0, control_bytes()); }
   EPMOE_HD int64_t token_rows_offset() const { return next(cursor_offset(), cursor_bytes()); }
@@ -157,7 +165,8 @@ struct CommLocalLayout {
   EPMOE_HD int64_t mblock_ready_offset() const { return next(recv_tokens_offset(), recv_tokens_bytes()); }
   EPMOE_HD int64_t mblock_arrive_offset() const { return next(mblock_ready_offset(), mblock_ready_bytes()); }
   EPMOE_HD int64_t tile_claim_offset() const { return next(mblock_arrive_offset(), mblock_ready_bytes()); }
-  EPMOE_HD int64_t num_bytes() const { return next(tile_claim_offset(), tile_claim_bytes()); }
+  EPMOE_HD int64_t split_exchange_offset() const { return next(tile_claim_offset(), tile_claim_bytes()); }
+  EPMOE_HD int64_t num_bytes() const { return next(split_exchange_offset(), split_exchange_bytes()); }
 
  private:
   EPMOE_HD static int64_t next(int64_t offset, int64_t bytes) { return round_up<int64_t>(offset + bytes, kRegionAlign); }
@@ -177,7 +186,8 @@ struct CommOffsets {
   // CommSymLayout
   int64_t counts, stage_x, stage_scale, stage_meta, partials, counts_stride_, partial_row_bytes_;
   // CommLocalLayout
-  int64_t cursor, token_rows, recv_tokens, mblock_ready, mblock_arrive, tile_claim, mblock_ready_count_;
+  int64_t cursor, token_rows, recv_tokens, mblock_ready, mblock_arrive, tile_claim, mblock_ready_count_,
+      split_exchange;
   // ExpertPoolLayout
   int64_t x_pool, x_scale, row_weight, row_source, expert_count, expert_offset, o_pool, scale_stride_, max_rows_;
 
@@ -204,6 +214,7 @@ struct CommOffsets {
   EPMOE_HD int64_t mblock_ready_offset() const { return mblock_ready; }
   EPMOE_HD int64_t mblock_arrive_offset() const { return mblock_arrive; }
   EPMOE_HD int64_t tile_claim_offset() const { return tile_claim; }
+  EPMOE_HD int64_t split_exchange_offset() const { return split_exchange; }
   EPMOE_HD int64_t mblock_ready_count() const { return mblock_ready_count_; }
 
   EPMOE_HD int64_t x_pool_offset() const { return x_pool; }
@@ -235,6 +246,7 @@ inline CommOffsets comm_offsets(const CommShape& s, const ExpertPoolLayout& pool
   o.mblock_ready = loc.mblock_ready_offset();
   o.mblock_arrive = loc.mblock_arrive_offset();
   o.tile_claim = loc.tile_claim_offset();
+  o.split_exchange = loc.split_exchange_offset();
   o.mblock_ready_count_ = loc.mblock_ready_count();
   o.x_pool = pool.x_pool_offset();
   o.x_scale = pool.x_scale_offset();

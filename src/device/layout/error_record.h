@@ -38,6 +38,7 @@ enum class GemmWait : uint32_t {
   kEpilogueDrained = 4,  // mbarrier epilogue_drained: a math warpgroup waits for the storer
   kStorerStaged = 5,     // mbarrier epilogue_staged: the storer waits for a tile's output
   kProducerArrive = 6,   // counter mblock_arrive[m]: the fused L1 producer waits for pulled rows
+  kSplitAmax = 7,        // counter split_exchange[pair]: a split L1 unit waits for its other half's amax
 };
 
 inline const char* gemm_wait_name(uint32_t site) {
@@ -48,6 +49,7 @@ inline const char* gemm_wait_name(uint32_t site) {
     case GemmWait::kEpilogueDrained: return "epilogue_drained";
     case GemmWait::kStorerStaged: return "epilogue_staged";
     case GemmWait::kProducerArrive: return "mblock_arrive";
+    case GemmWait::kSplitAmax: return "split_amax";
     default: return "unknown";
   }
 }

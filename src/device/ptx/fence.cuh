@@ -24,6 +24,17 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) 
 __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t count) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
+// named_barrier_sync that also returns whether any participating thread passed pred != 0.
+__device__ __forceinline__ uint32_t named_barrier_sync_or(uint32_t id, uint32_t count, uint32_t pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbarrier.red.or.pred q, %2, %3, p;\n\t"
+      "selp.u32 %0, 1, 0, q;\n\t}"
+      : "=r"(any)
+      : "r"(pred), "r"(id), "r"(count)
+      : "memory");
+  return any;
+}
 
 // Register budget of the calling warpgroup (sm_90a); every warp of the warpgroup must call it.
 template <uint32_t kRegs>
