@@ -5,7 +5,7 @@
 //   EPMOE_FUSED_PREFETCH=<0..64>           K blocks of weight prefetch (else 0)
 //   EPMOE_FUSED_B_FIRST=0|1                the megakernel's weights-first loads (else per call)
 //   EPMOE_FUSED_CLAIM=0|1|2                the megakernel's tile claims (else per call)
-//   EPMOE_FUSED_L1_SPLIT=0|1               the megakernel's split L1 units (else on)
+//   EPMOE_FUSED_L1_SPLIT=0|1               the megakernel's split L1 units (else from H = 4096)
 //   EPMOE_COMM_BLOCKS=<n>                  caps the dispatch and combine grids (n > 0)
 //   EPMOE_AUTO_FUSED_MAX=<n>               Path::kAuto's threshold in tokens (n >= 0; else 512)
 // Out-of-range values are ignored, as the library did when it read them itself.

@@ -84,9 +84,15 @@ TEST(CommLayout, LocalRegionsDisjointAndAligned) {
                            {l.recv_tokens_offset(), l.recv_tokens_bytes()},
                            {l.mblock_ready_offset(), l.mblock_ready_bytes()},
                            {l.mblock_arrive_offset(), l.mblock_ready_bytes()},
-                           {l.tile_claim_offset(), l.tile_claim_bytes()}},
+                           {l.tile_claim_offset(), l.tile_claim_bytes()},
+                           {l.split_exchange_offset(), l.split_exchange_bytes()}},
                           l.num_bytes());
   EXPECT_EQ(l.tile_claim_bytes(), 8);  // the L1 and L2 counters
+  // The split L1 units' exchange: a u32 counter per pair and math warpgroup, then 64 floats per pair,
+  // warpgroup and half; the floats start 16-byte aligned after the counters.
+  EXPECT_EQ(l.split_counter_bytes(), int64_t(CommLocalLayout::kSplitMaxPairs) * 2 * 4);
+  EXPECT_EQ(l.split_exchange_bytes(), l.split_counter_bytes() + int64_t(CommLocalLayout::kSplitMaxPairs) * 2 * 2 * 64 * 4);
+  EXPECT_EQ((l.split_exchange_offset() + l.split_counter_bytes()) % 16, 0);
   EXPECT_EQ(l.cursor_bytes(), 256 * 4);
   EXPECT_EQ(l.token_rows_bytes(), int64_t(4) * 1000 * 8 * 4);
   // Control words do not overlap each other, and each kernel's last-block counters are distinct.

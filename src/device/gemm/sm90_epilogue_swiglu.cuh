@@ -162,11 +162,11 @@ struct Sm90EpilogueSwiGLU {
   // takes its units in increasing order, and the lowest unit not yet at its exchange always can get
   // there (its block's earlier units, and its partner if lower, are all past theirs).
   // dry: the warm pass (sm90_math_tiles, kIdleWarm): the same instructions, no store, no exchange.
-  // barrier_id: the warpgroup's named barrier (128 threads). Returns false if the wait expired;
-  // *seen is then the counter's value and *slot its index.
+  // barrier_id: the warpgroup's named barrier (128 threads); trace_slot as in run. Returns false if
+  // the wait expired; *seen is then the counter's value and *slot its index.
   __device__ static bool run_split(const float (&acc)[128], const GroupedGemmParams& p, const scheduler::GemmTile& t,
                                    int wg, int unit, const SplitExchange& x, uint32_t barrier_id, bool dry,
-                                   uint32_t* seen, int* slot) {
+                                   uint32_t* seen, int* slot, int trace_slot = -1) {
     static_assert(kFp8 && !kToSmem, "split units are the FP8 decode variant's");
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
@@ -187,6 +187,7 @@ struct Sm90EpilogueSwiGLU {
       }
       a[i] = silu_f32(g) * u * ((i & 2) ? w1 : w0);
     }
+    if (trace_slot >= 0) diag::tile_trace(0, trace_slot, 4);
     float amax0 = 0.0f, amax1 = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {

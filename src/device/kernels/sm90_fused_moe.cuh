@@ -265,7 +265,8 @@ __global__ void __launch_bounds__(gemm::kNumThreads, 1)
   // Dispatch: tokens from every source into this rank's expert pool. Once the expert segments
   // are known, each block asks L2 for the first K blocks of its first L1 weight tile in the static
   // order (with claims, the first grid's worth of tiles as a set), so HBM streams weights while
-  // the pull moves tokens (decode is weight-bound; the pull is not). Off by default.
+  // the pull moves tokens (decode is weight-bound; the pull is not). Off by default. (With split L1
+  // units it names the block's whole static tile, not its half unit: only a hint either way.)
   const auto prefetch_first_weights = [&](const auto& segment_rows) {
     if (p.prefetch_k_blocks <= 0) return;  // the default (docs/MEGAKERNEL.md): no walk for nothing
     using Sched = typename Cfg::L1::Scheduler;

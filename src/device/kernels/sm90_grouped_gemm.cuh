@@ -90,6 +90,10 @@ struct Sm90GroupedGemmConfig {
   // Split units (Sm90TmaProducer, kSplitN): compiled into the megakernel's FP8 decode L1 only, the
   // one configuration with FP8 and the inline SwiGLU epilogue.
   static constexpr bool kSplitN = kFp8_ && kEpi == Sm90Epilogue::kSwiGLU;
+  // The halves of a split tile are scheduler tiles 2 j and 2 j + 1 (n_block 2 j' and 2 j' + 1 of one
+  // m-block): an even raster group keeps every expert's unit count and the group spans even
+  // (Sm90EpilogueSwiGLU::run_split pairs by the linear index, the producer by n_block).
+  static_assert(!kSplitN || kRasterGroupN % 2 == 0, "split units pair adjacent scheduler tiles");
   using Producer = Sm90TmaProducer<kFp8_, kStages_, kBlockK, Layout, Scheduler, kSplitN>;
   static constexpr uint32_t kEmptyArrivals = kMathWarpgroups * 4;  // math warps releasing a stage
   static_assert(kMathWarpgroups * kWarpgroupM == kBlockM, "the math warpgroups split the tile's M");
@@ -338,7 +342,8 @@ __device__ __forceinline__ MathTilesResult sm90_math_tiles(const GroupedGemmPara
           uint32_t seen = 0;
           int slot = 0;
           if (!Sm90EpilogueSwiGLU<true>::run_split(acc, p, tile, wg, sched.next_linear, *split,
-                                                   kMathBarrierBase + uint32_t(wg), warm, &seen, &slot))
+                                                   kMathBarrierBase + uint32_t(wg), warm, &seen, &slot,
+                                                   trace_slot - 1))
             return MathTilesResult{false, uint32_t(slot), seen, sched.next_linear, pipeline::WaitSite::kSplitAmax};
         } else {
           Sm90EpilogueSwiGLU<Cfg::kFp8>::run(acc, p, tile, wg, 0, 0, trace_slot - 1, warm);
