@@ -132,8 +132,9 @@ Status build_plan(bool fp8, GemmStage stage, const GroupedArgs& g, const void* a
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the activations (64-row boxes)"));
   EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b, b, fp8, int64_t(g.num_groups) * n, k, k, kBlockN,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights"));
-  EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b64, b, fp8, int64_t(g.num_groups) * n, k, k, kBlockN / 4,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights (64-row boxes)"));
+  if (stage == GemmStage::kL1)
+    EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_b64, b, fp8, int64_t(g.num_groups) * n, k, k, kBlockN / 4,
+                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "the weights (64-row boxes)"));
   if (stage != GemmStage::kL1)
     EPMOE_RETURN_IF_ERROR(make_swizzled_map(&plan.map_d, p.out, false, g.max_rows, n, p.out_ld, 64,
                                             CU_TENSOR_MAP_L2_PROMOTION_NONE, "the output pool"));

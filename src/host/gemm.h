@@ -83,7 +83,7 @@ struct GemmPlan {
   int grid = 0;     // persistent blocks: one per SM
   CUtensorMap map_a{};    // pool activations [max_rows][k]
   CUtensorMap map_a64{};  // the same with 64-row boxes (tiles of at most 64 rows load only those)
-  CUtensorMap map_b64{};  // the weights with 64-row boxes (the megakernel's split L1 units)
+  CUtensorMap map_b64{};  // L1: the weights with 64-row boxes (the megakernel's split L1 units)
   CUtensorMap map_b{};  // weights [num_groups * n][k]
   CUtensorMap map_d{};  // the output pool for the deferred epilogues' TMA stores (L2 bf16; FP8 L1 e4m3)
   GroupedGemmParams params{};

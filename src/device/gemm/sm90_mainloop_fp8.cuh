@@ -90,6 +90,19 @@ struct Sm90Fp8Mainloop {
         promote<64>(acc, tmp, s0, s1);
     }
   }
+  // One 64-column quarter of a K block: four m64n64k32 wgmma into the scratch q, committed as one
+  // group (B rows 64 quarter.. of the stage at b_lo, A at a_lo; descriptor units).
+  __device__ __forceinline__ static void issue_quarter(float (&q)[32], uint32_t a_lo, uint32_t b_lo, int quarter) {
+    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;  // 64 rows of 128 bytes
+    const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
+    ptx::fence_operands(q);
+    ptx::wgmma_fence_sync_aligned();
+#pragma unroll
+    for (int k = 0; k < kBlockK / kWgmmaK; ++k)
+      ptx::wgmma_m64n64k32_f32_e4m3_e4m3(q, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
+                                         smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
+    ptx::wgmma_commit_group_sync_aligned();
+  }
   // block_math for the megakernel's decode K loop (run with kCoverIdle): the same wgmma products
   // and promotions in four N quarters of 64 columns on two 32-register scratches, so that one
   // quarter's batch runs while the one before it is promoted: Q0 and Q1 issued, then per quarter
@@ -107,18 +120,7 @@ struct Sm90Fp8Mainloop {
                                                              uint32_t a_lo, uint32_t b_lo, float sa_lo, float sa_hi,
                                                              uint32_t sb, const Release& release,
                                                              const AfterRelease& after_release = {}) {
-    // A quarter's B rows: 64 rows of 128 bytes, in descriptor units.
-    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;
-    const auto issue = [&](float (&q)[32], int quarter) {
-      const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
-      ptx::fence_operands(q);
-      ptx::wgmma_fence_sync_aligned();
-#pragma unroll
-      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-        ptx::wgmma_m64n64k32_f32_e4m3_e4m3(q, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
-                                           smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
-      ptx::wgmma_commit_group_sync_aligned();
-    };
+    const auto issue = [&](float (&q)[32], int quarter) { issue_quarter(q, a_lo, b_lo, quarter); };
     // Quarter q holds columns 64 q + 8 i + ..., i.e. acc[32 q + 4 i + x].
     const float sb_0 = ptx::ld_shared_f32(sb);
     issue(q0, 0);
@@ -154,17 +156,7 @@ struct Sm90Fp8Mainloop {
   __device__ __forceinline__ static void block_math_split(float (&acc)[128], float (&q0)[32], float (&q1)[32],
                                                           uint32_t a_lo, uint32_t b_lo, float sa_lo, float sa_hi,
                                                           uint32_t sb, const Release& release) {
-    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;
-    const auto issue = [&](float (&q)[32], int quarter) {
-      const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
-      ptx::fence_operands(q);
-      ptx::wgmma_fence_sync_aligned();
-#pragma unroll
-      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-        ptx::wgmma_m64n64k32_f32_e4m3_e4m3(q, smem_desc_from_lo(a_lo + uint32_t(k * kWgmmaK / 16)),
-                                           smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
-      ptx::wgmma_commit_group_sync_aligned();
-    };
+    const auto issue = [&](float (&q)[32], int quarter) { issue_quarter(q, a_lo, b_lo, quarter); };
     const float sb_0 = ptx::ld_shared_f32(sb);
     const float sb_1 = ptx::ld_shared_f32(sb + 4u);
     issue(q0, 0);
@@ -189,18 +181,8 @@ struct Sm90Fp8Mainloop {
                                                            uint32_t a_lo, uint32_t b_lo, float sa_lo0, float sa_hi0,
                                                            float sa_lo1, float sa_hi1, uint32_t sb,
                                                            const Release& release) {
-    constexpr uint32_t kQuarterDesc = (kHalfN / 2 * Layout::kRowBytes) >> 4;
     constexpr uint32_t kAHalfDesc = (kWarpgroupM * Layout::kRowBytes) >> 4;
-    const auto issue = [&](float (&q)[32], uint32_t aq_lo, int quarter) {
-      const uint32_t bq_lo = b_lo + uint32_t(quarter) * kQuarterDesc;
-      ptx::fence_operands(q);
-      ptx::wgmma_fence_sync_aligned();
-#pragma unroll
-      for (int k = 0; k < kBlockK / kWgmmaK; ++k)
-        ptx::wgmma_m64n64k32_f32_e4m3_e4m3(q, smem_desc_from_lo(aq_lo + uint32_t(k * kWgmmaK / 16)),
-                                           smem_desc_from_lo(bq_lo + uint32_t(k * kWgmmaK / 16)), k > 0 ? 1u : 0u);
-      ptx::wgmma_commit_group_sync_aligned();
-    };
+    const auto issue = [&](float (&q)[32], uint32_t aq_lo, int quarter) { issue_quarter(q, aq_lo, b_lo, quarter); };
     issue(q0, a_lo, 0);
     issue(q1, a_lo, 1);
     const float sb_0 = ptx::ld_shared_f32(sb);
